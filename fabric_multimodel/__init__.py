@@ -1,0 +1,29 @@
+"""Per-model DDP and explicit model averaging (post-local SGD) for Lightning Fabric loops.
+
+Example::
+
+    from fabric_multimodel import Averager, frozen, setup_models
+
+    gen, disc = setup_models(fabric, gen=G, disc=D)
+    with Averager(fabric, [gen, disc], period=8, warmup_steps=200) as averager:
+        for real in loader:
+            ...
+            averager.step()
+"""
+
+from fabric_multimodel.averaging import Averager, average_models, replicas_in_sync
+from fabric_multimodel.collectives import Traffic
+from fabric_multimodel.frozen import frozen
+from fabric_multimodel.models import Models, ddp_of, setup_models
+
+__all__ = [
+    "Averager",
+    "Models",
+    "Traffic",
+    "average_models",
+    "ddp_of",
+    "frozen",
+    "replicas_in_sync",
+    "setup_models",
+]
+__version__ = "0.1.0"

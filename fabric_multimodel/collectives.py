@@ -1,0 +1,143 @@
+"""The collective primitives every other module is built on.
+
+Each function here issues a fixed, documented number of collectives, so callers (and tests) can
+count exactly what an averaging round or a check costs. With no process group initialised, or a
+group of one rank, they issue none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional["dist.ProcessGroup"]
+
+#: Upper bound on the staging buffer used to coalesce small tensors into one allreduce.
+DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+
+
+def group_size(group: ProcessGroup = None) -> int:
+    """Number of ranks in ``group`` (the default group when None); 1 without torch.distributed.
+
+    Example::
+
+        if group_size() == 1:
+            return  # nothing to average
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+class Traffic(NamedTuple):
+    """What a collective call sent: elements and bytes per rank (before any transport overhead)."""
+
+    elements: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: "Traffic") -> "Traffic":  # type: ignore[override]
+        return Traffic(self.elements + other.elements, self.bytes + other.bytes)
+
+
+def all_reduce_mean_(
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Traffic:
+    """Replace every tensor, in place, by its mean across the ranks of ``group``.
+
+    Contiguous tensors of at least ``bucket_bytes`` are reduced in place, with no copy; smaller ones
+    are packed into staging buffers of at most ``bucket_bytes`` so that many small tensors cost one
+    allreduce, not one each. Tensors are bucketed by device and dtype in the order given, so every
+    rank must pass tensors of the same shapes, dtypes and order. Issues one allreduce per bucket
+    and returns the :class:`Traffic` sent (zero when the group has one rank).
+
+    Example::
+
+        traffic = all_reduce_mean_([p.data for p in model.parameters()])
+    """
+    world = group_size(group)
+    traffic = Traffic()
+    if world == 1:
+        return traffic
+    for bucket in _buckets(tensors, bucket_bytes):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            flat = bucket[0]
+        else:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        # SUM then divide, because gloo has no AVG; every rank divides the same sum, so the result
+        # is bitwise identical everywhere.
+        flat.div_(world)
+        if flat is not bucket[0]:
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        traffic += Traffic(flat.numel(), flat.numel() * flat.element_size())
+    return traffic
+
+
+def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Group consecutive tensors of one device and dtype into lists of at most ``bucket_bytes``."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        same_kind = not bucket or (t.device == bucket[0].device and t.dtype == bucket[0].dtype)
+        if bucket and (not same_kind or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def all_ranks_agree(value: int, device: torch.device, group: ProcessGroup = None) -> bool:
+    """True when every rank of ``group`` passed the same 64-bit ``value``. One small allreduce.
+
+    Every rank gets the same answer, so callers can raise on all ranks at once instead of letting
+    a mismatch turn into a hang later.
+
+    Example::
+
+        if not all_ranks_agree(fingerprint(str(shapes)), fabric.device):
+            raise ValueError("models differ across ranks")
+    """
+    if group_size(group) == 1:
+        return True
+    # MAX of (v, -v) yields (max, -min) in one call: all equal iff max == min.
+    pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+    return bool(pair[0] == -pair[1])
+
+
+def fingerprint(data: bytes | str) -> int:
+    """A stable signed 63-bit hash (unlike ``hash()``, the same in every process).
+
+    Example::
+
+        fingerprint("period=8")  # same integer on every rank
+    """
+    raw = data.encode() if isinstance(data, str) else data
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+
+
+def tensors_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
+    """Hash of the exact bytes, shapes and dtypes of ``tensors`` (copies GPU tensors to host).
+
+    Example::
+
+        fingerprint_before = tensors_fingerprint(model.parameters())
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        t = t.detach()
+        digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1

@@ -1,0 +1,163 @@
+"""Where models get wrapped: each model in its own ``DistributedDataParallel``, with its own options."""
+
+from __future__ import annotations
+
+import inspect
+from collections import namedtuple
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Optional
+
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import DDPStrategy, ParallelStrategy
+from lightning_fabric.wrappers import _FabricModule
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# Fabric passes these itself; a user value would clash with (or silently undo) Fabric's choice.
+_RESERVED_DDP_KWARGS = ("module", "device_ids")
+_DDP_KWARGS = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+
+
+class Models(tuple):
+    """The models returned by :func:`setup_models`: a named tuple, in the order they were passed.
+
+    Example::
+
+        models = setup_models(fabric, gen=G, disc=D)
+        gen, disc = models                  # unpack
+        models.gen                          # by name
+        models._asdict()                    # {"gen": ..., "disc": ...}
+    """
+
+    __slots__ = ()
+
+
+def setup_models(
+    fabric: Fabric,
+    /,
+    *,
+    ddp_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    **models: nn.Module,
+) -> Models:
+    """Set up each model with Fabric, each in its **own** ``DistributedDataParallel``.
+
+    Under a DDP strategy every model gets the strategy's DDP options overridden by
+    ``ddp_kwargs[name]``, so a GAN's discriminator can skip buffer broadcasts while the generator
+    keeps them, and no model needs ``find_unused_parameters=True`` (use :func:`frozen` for the
+    model that is only used, not trained, in a step). Single-process strategies ignore
+    ``ddp_kwargs``; FSDP, DeepSpeed and other strategies set each model up as Fabric does and
+    reject ``ddp_kwargs``.
+
+    Args:
+        fabric: a launched :class:`~lightning_fabric.Fabric`.
+        ddp_kwargs: per-model ``DistributedDataParallel`` options, keyed by model name.
+        **models: the models to set up, by name; the order is kept.
+
+    Returns:
+        A :class:`Models` named tuple of the set-up models (what ``fabric.setup_module`` returns).
+
+    Example::
+
+        gen, disc = setup_models(fabric, gen=G, disc=D, ddp_kwargs={"disc": {"broadcast_buffers": False}})
+    """
+    _validate(fabric, ddp_kwargs, models)
+    ddp_kwargs = ddp_kwargs or {}
+    strategy = fabric.strategy
+    set_up = {}
+    for name, module in models.items():
+        if isinstance(strategy, DDPStrategy):
+            with _ddp_options(strategy, ddp_kwargs.get(name, {})):
+                set_up[name] = fabric.setup_module(module)
+        else:
+            set_up[name] = fabric.setup_module(module)
+    return _models_type(tuple(set_up))(**set_up)
+
+
+def ddp_of(module: nn.Module) -> Optional[DistributedDataParallel]:
+    """The ``DistributedDataParallel`` that runs ``module``'s forward, or None when there is none.
+
+    Accepts what :func:`setup_models` or ``fabric.setup_module`` returned, a DDP module, or a
+    plain module (None).
+
+    Example::
+
+        ddp = ddp_of(models.gen)
+        if ddp is not None:
+            print(ddp.broadcast_buffers)
+    """
+    if isinstance(module, _FabricModule):
+        module = module._forward_module
+    module = getattr(module, "_orig_mod", module)  # torch.compile wraps DDP in an OptimizedModule
+    return module if isinstance(module, DistributedDataParallel) else None
+
+
+def _validate(fabric: Fabric, ddp_kwargs: Any, models: Mapping[str, Any]) -> None:
+    if not isinstance(fabric, Fabric):
+        raise TypeError(f"setup_models: `fabric` must be a lightning_fabric.Fabric, got {type(fabric).__name__}.")
+    if not models:
+        raise ValueError("setup_models: pass at least one model by name, e.g. setup_models(fabric, gen=G, disc=D).")
+    seen: dict[int, str] = {}
+    for name, module in models.items():
+        if name.startswith("_"):
+            raise ValueError(f"setup_models: model name {name!r} must not start with '_'; rename the keyword.")
+        if isinstance(module, _FabricModule) or ddp_of(module) is not None:
+            raise ValueError(
+                f"setup_models: model {name!r} is already set up; pass the original nn.Module, not what"
+                " fabric.setup_module or setup_models returned."
+            )
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"setup_models: model {name!r} must be a torch.nn.Module, got {type(module).__name__}.")
+        if id(module) in seen:
+            raise ValueError(f"setup_models: models {seen[id(module)]!r} and {name!r} are the same module object.")
+        seen[id(module)] = name
+    if ddp_kwargs is None:
+        return
+    if not isinstance(ddp_kwargs, Mapping):
+        raise TypeError(
+            "setup_models: `ddp_kwargs` must map model names to DDP options, e.g."
+            f" {{'disc': {{'broadcast_buffers': False}}}}; got {type(ddp_kwargs).__name__}."
+        )
+    unknown = set(ddp_kwargs) - set(models)
+    if unknown:
+        raise ValueError(
+            f"setup_models: `ddp_kwargs` names {sorted(unknown)}, which are not models passed here"
+            f" ({list(models)}); use the model keyword names."
+        )
+    for name, options in ddp_kwargs.items():
+        if not isinstance(options, Mapping):
+            raise TypeError(
+                f"setup_models: `ddp_kwargs[{name!r}]` must be a mapping of DDP options, got {type(options).__name__}."
+            )
+        bad = sorted(set(options) & set(_RESERVED_DDP_KWARGS))
+        if bad:
+            raise ValueError(f"setup_models: `ddp_kwargs[{name!r}]` sets {bad}, which Fabric chooses; remove them.")
+        unknown_options = sorted(set(options) - _DDP_KWARGS)
+        if unknown_options:
+            raise ValueError(
+                f"setup_models: `ddp_kwargs[{name!r}]` has {unknown_options}, which DistributedDataParallel does"
+                " not accept; check the spelling against torch.nn.parallel.DistributedDataParallel."
+            )
+    strategy = fabric.strategy
+    if ddp_kwargs and isinstance(strategy, ParallelStrategy) and not isinstance(strategy, DDPStrategy):
+        raise ValueError(
+            f"setup_models: `ddp_kwargs` only applies to DDP strategies, but this Fabric uses"
+            f" {type(strategy).__name__}; configure that strategy instead and drop `ddp_kwargs`."
+        )
+
+
+@contextmanager
+def _ddp_options(strategy: DDPStrategy, overrides: Mapping[str, Any]) -> Iterator[None]:
+    # Fabric's DDPStrategy builds every DDP from one `_ddp_kwargs` dict; swapping it per model keeps
+    # all of Fabric's own setup (precision, device placement, compile, the _FabricModule wrapper).
+    saved = strategy._ddp_kwargs
+    strategy._ddp_kwargs = {**saved, **overrides}
+    try:
+        yield
+    finally:
+        strategy._ddp_kwargs = saved
+
+
+def _models_type(names: tuple[str, ...]) -> type[Models]:
+    fields = namedtuple("Models", names)  # type: ignore[misc]
+    return type("Models", (fields, Models), {"__slots__": ()})

@@ -1,0 +1,134 @@
+"""Real multi-process gloo worlds for the tests, kept alive and reused across many cases.
+
+A :class:`World` spawns ``size`` processes on 127.0.0.1, each with a launched Fabric (DDP strategy,
+CPU, gloo), and runs module-level task functions ``fn(fabric, *args)`` on every rank. Spawning
+costs seconds per world, so tests share one world per size and hypothesis draws cases in the
+parent. A rank that raises, or a world that does not answer within the timeout, is reported with
+every rank's traceback, and the world is replaced so later tests start clean.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+# A hung collective turns into an error after this long instead of blocking the suite.
+COLLECTIVE_TIMEOUT_S = 60
+
+
+@dataclass
+class Outcome:
+    """What one rank's task returned, or the exception it raised."""
+
+    value: Any = None
+    error: str | None = None  # "ExceptionType: message"
+    traceback: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, size: int, port: int, conn: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    import torch
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
+
+    torch.set_num_threads(1)
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=size,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+    )
+    fabric.launch()
+    conn.send(Outcome(value="ready"))
+    while True:
+        task = conn.recv()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            conn.send(Outcome(value=fn(fabric, *args)))
+        except BaseException as exc:  # report everything, including assertion failures, to the parent
+            conn.send(Outcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
+    torch.distributed.destroy_process_group()
+
+
+class World:
+    """``size`` ranks of a gloo process group, each holding a launched Fabric.
+
+    Example::
+
+        world = World(2)
+        values = world.run(task, 3)   # task(fabric, 3) on both ranks -> [rank0_value, rank1_value]
+    """
+
+    def __init__(self, size: int, timeout: float = 180.0) -> None:
+        self.size = size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._conns = []
+        self._procs = []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, size, port, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect()
+        self.broken = False
+
+    def outcomes(self, fn: Callable[..., Any], *args: Any) -> list[Outcome]:
+        """Run ``fn(fabric, *args)`` on every rank; one :class:`Outcome` per rank, in rank order."""
+        for conn in self._conns:
+            conn.send((fn, args))
+        outcomes = self._collect()
+        if any(o.error for o in outcomes):
+            self.broken = True  # a rank left mid-collective would desynchronise the next task
+        return outcomes
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(fabric, *args)`` on every rank and return the values; raise if any rank failed."""
+        outcomes = self.outcomes(fn, *args)
+        failed = [(rank, o) for rank, o in enumerate(outcomes) if o.error]
+        if failed:
+            report = "\n".join(f"--- rank {rank}: {o.error}\n{o.traceback}" for rank, o in failed)
+            raise AssertionError(f"{fn.__name__} failed on ranks {[r for r, _ in failed]}:\n{report}")
+        return [o.value for o in outcomes]
+
+    def _collect(self) -> list[Outcome]:
+        outcomes = []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(self.timeout):
+                self.close()
+                raise TimeoutError(f"rank {rank} of a {self.size}-process world did not answer in {self.timeout} s")
+            outcomes.append(conn.recv())
+        return outcomes
+
+    def close(self) -> None:
+        self.broken = True
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
