@@ -151,6 +151,7 @@ class Averager:
                 " every rank."
             )
         self._storage = FlatStorage(tensors)
+        self._has_buffers = any(not isinstance(t, nn.Parameter) for t in tensors)
 
     def __enter__(self) -> "Averager":
         if self._ddp_settings is not None:
@@ -200,7 +201,10 @@ class Averager:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
         if self.steps <= self.warmup_steps:
-            self._synced_at_step = self.steps  # synchronous DDP keeps replicas identical
+            # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
+            # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
+            if not self._has_buffers:
+                self._synced_at_step = self.steps
             if self.steps == self.warmup_steps:
                 self._apply_phase()
             return False
@@ -265,6 +269,11 @@ class Averager:
             # no_sync() does, but for every forward in the phase) and the per-forward buffer broadcast.
             ddp.require_backward_grad_sync = grad_sync and not self.local
             ddp.broadcast_buffers = broadcast_buffers and not self.local
+            if self.local and ddp.reducer._rebuild_buckets():
+                # DDP rebuilds its gradient buckets once, with a broadcast, in the first forward after
+                # the first synchronous backward. Doing it here, on every rank at the same step, keeps
+                # that broadcast out of the local phase.
+                ddp._has_rebuilt_buckets = True
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -43,6 +43,7 @@ class Traffic(NamedTuple):
         return Traffic(self.elements + other.elements, self.bytes + other.bytes)
 
 
+@torch.no_grad()
 def all_reduce_mean_(
     tensors: Sequence[torch.Tensor],
     group: ProcessGroup = None,
