@@ -266,3 +266,87 @@ def test_save_load_continue_equals_uninterrupted(worlds, period, warmup_steps, s
         for difference, steps in worlds(2).run(train_with_checkpoint, period, warmup_steps, split, split + extra, optimizer_name, path):
             assert steps == split + extra
             assert difference < 1e-6
+
+
+# --- invariant 8: bad input raises on every rank before any collective ----------------------------
+
+
+AVERAGER_BAD_INPUTS = {
+    "period bool": (lambda f, m, other: Averager(f, m, period=True), TypeError, "`period`"),
+    "period float": (lambda f, m, other: Averager(f, m, period=2.0), TypeError, "`period`"),
+    "period zero": (lambda f, m, other: Averager(f, m, period=0), ValueError, "`period` must be >= 1"),
+    "period negative": (lambda f, m, other: Averager(f, m, period=-3), ValueError, "`period` must be >= 1"),
+    "warmup negative": (lambda f, m, other: Averager(f, m, period=2, warmup_steps=-1), ValueError, "`warmup_steps`"),
+    "warmup float": (lambda f, m, other: Averager(f, m, period=2, warmup_steps=1.5), TypeError, "`warmup_steps`"),
+    "average_buffers not bool": (lambda f, m, other: Averager(f, m, period=2, average_buffers=1), TypeError, "average_buffers"),
+    "raw module": (lambda f, m, other: Averager(f, nn.Linear(2, 2), period=2), TypeError, "was not set up"),
+    "no modules": (lambda f, m, other: Averager(f, [], period=2), ValueError, "`modules` is empty"),
+    "not a module": (lambda f, m, other: Averager(f, [m, "disc"], period=2), TypeError, "`modules`"),
+    "optimizer not in a list": (
+        lambda f, m, other: Averager(f, m, period=2, optimizers=torch.optim.SGD(m.parameters(), lr=1)),
+        TypeError,
+        "`optimizers`",
+    ),
+    # These disagree across ranks (DDP already rejects set-up models of different shapes; a different
+    # order or selection of models is what slips through): one construction-time check catches them.
+    "modules in another order on rank 1": (
+        lambda f, m, other: Averager(f, [m, other] if f.global_rank == 0 else [other, m], period=2),
+        ValueError,
+        "differ across ranks",
+    ),
+    "other modules on rank 1": (
+        lambda f, m, other: Averager(f, [m, other] if f.global_rank == 0 else [m], period=2),
+        ValueError,
+        "differ across ranks",
+    ),
+    "period differs across ranks": (
+        lambda f, m, other: Averager(f, m, period=2 + f.global_rank),
+        ValueError,
+        "differ across ranks",
+    ),
+}
+
+
+def raise_averager_bad_inputs(fabric):
+    m, other = setup_models(fabric, m=nn.Linear(2, 2), other=nn.Linear(3, 1))
+    errors = {}
+    for case, (call, _, _) in AVERAGER_BAD_INPUTS.items():
+        try:
+            call(fabric, m, other)
+            errors[case] = None
+        except (TypeError, ValueError) as error:
+            errors[case] = (type(error).__name__, str(error))
+    check = torch.ones(1)
+    dist.all_reduce(check)  # every rank is still in step after all of that
+    return errors, check.item()
+
+
+def test_averager_bad_input_raises_on_every_rank(worlds):
+    for errors, total in worlds(2).run(raise_averager_bad_inputs):
+        assert total == 2
+        for case, (_, error_type, words) in AVERAGER_BAD_INPUTS.items():
+            assert errors[case] is not None, f"{case} did not raise"
+            assert errors[case][0] == error_type.__name__ and words in errors[case][1], (case, errors[case])
+
+
+# --- world size 1: everything works and nothing is communicated ----------------------------------
+
+
+@given(period=st.integers(1, 4), warmup_steps=st.integers(0, 3), steps=st.integers(0, 8))
+def test_single_process_averager_communicates_nothing(period, warmup_steps, steps):
+    fabric = Fabric(accelerator="cpu", devices=1)
+    (m,) = setup_models(fabric, m=nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4)))
+    opt = fabric.setup_optimizers(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    before = copy.deepcopy(m.state_dict())
+    with Averager(fabric, m, period=period, warmup_steps=warmup_steps, optimizers=[opt]) as averager:
+        for number in range(1, steps + 1):
+            fabric.backward(m(torch.randn(3, 2)).sum())
+            opt.step()
+            assert averager.step() == (number > warmup_steps and (number - warmup_steps) % period == 0)
+        averager.sync()
+    assert averager.traffic.elements == averager.traffic.bytes == 0
+    assert replicas_in_sync(fabric, m)
+    assert average_models(fabric, m).elements == 0
+    # The parameters still train (flat storage did not detach them from the optimizer).
+    changed = any(not torch.equal(before[name], p) for name, p in m.module.named_parameters())
+    assert changed == (steps > 0)
