@@ -65,15 +65,18 @@ def all_reduce_mean_(
     traffic = Traffic()
     if world == 1:
         return traffic
+    # NCCL averages inside the collective; gloo has no AVG, so it sums and every rank divides the
+    # same sum, which keeps the result bitwise identical everywhere.
+    average_in_collective = dist.get_backend(group) == dist.Backend.NCCL
+    op = dist.ReduceOp.AVG if average_in_collective else dist.ReduceOp.SUM
     for bucket in _buckets(tensors, bucket_bytes):
         if len(bucket) == 1 and bucket[0].is_contiguous():
             flat = bucket[0]
         else:
             flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
-        # SUM then divide, because gloo has no AVG; every rank divides the same sum, so the result
-        # is bitwise identical everywhere.
-        flat.div_(world)
+        dist.all_reduce(flat, op=op, group=group)
+        if not average_in_collective:
+            flat.div_(world)
         if flat is not bucket[0]:
             offset = 0
             for t in bucket:

@@ -202,6 +202,7 @@ def exit_by_exception(fabric):
         "rounds": averager.rounds,
         "restored": (ddp.require_backward_grad_sync, ddp.broadcast_buffers),
         "differ": _ranks_differ([m]),
+        "in_sync": replicas_in_sync(fabric, [m]),
     }
 
 
@@ -209,7 +210,7 @@ def test_exit_by_exception_issues_no_collective_and_restores_ddp(worlds):
     for result in worlds(2).run(exit_by_exception):
         assert result["rounds"] == 0
         assert result["restored"] == (True, True)
-        assert result["differ"]
+        assert result["differ"] and not result["in_sync"]
 
 
 # --- invariant 7: save after sync, load into fresh objects, continue == uninterrupted --------------
