@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from lightning_fabric import Fabric
@@ -25,7 +25,7 @@ from fabric_multimodel.collectives import (
 from fabric_multimodel.flat import FlatStorage
 from fabric_multimodel.models import ddp_of
 
-Modules = Union[nn.Module, Iterable[nn.Module]]
+Modules = nn.Module | Iterable[nn.Module]
 
 
 def average_models(
@@ -65,7 +65,10 @@ def replicas_in_sync(fabric: Fabric, modules: Modules, *, process_group: Process
         assert replicas_in_sync(fabric, [gen, disc])
     """
     module_list = _module_list(modules, "replicas_in_sync")
-    tensors = [*_unique(p for m in module_list for p in m.parameters()), *_unique(b for m in module_list for b in m.buffers())]
+    tensors = [
+        *_unique(p for m in module_list for p in m.parameters()),
+        *_unique(b for m in module_list for b in m.buffers()),
+    ]
     return all_ranks_agree(tensors_fingerprint(tensors), fabric.device, process_group)
 
 
@@ -138,7 +141,7 @@ class Averager:
         #: Elements and bytes this averager sent in its rounds (per rank).
         self.traffic = Traffic()
         self._synced_at_step = 0
-        self._ddp_settings: Optional[list[tuple[Any, bool, bool]]] = None
+        self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
         self._ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
 
         tensors = _averaged_tensors(module_list, average_buffers)
@@ -153,7 +156,7 @@ class Averager:
         self._storage = FlatStorage(tensors)
         self._has_buffers = any(not isinstance(t, nn.Parameter) for t in tensors)
 
-    def __enter__(self) -> "Averager":
+    def __enter__(self) -> Averager:
         if self._ddp_settings is not None:
             raise RuntimeError("Averager: this averager is already in use; enter its `with` block once.")
         self._ddp_settings = [(ddp, ddp.require_backward_grad_sync, ddp.broadcast_buffers) for ddp in self._ddps]
@@ -162,9 +165,9 @@ class Averager:
 
     def __exit__(
         self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        traceback: Optional[TracebackType],
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
     ) -> None:
         try:
             if exc_type is None and self.steps > self._synced_at_step:
@@ -284,9 +287,13 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _module_list(modules: Any, caller: str) -> list[nn.Module]:
-    module_list = [modules] if isinstance(modules, nn.Module) else list(modules) if isinstance(modules, Iterable) else None
+    module_list = (
+        [modules] if isinstance(modules, nn.Module) else list(modules) if isinstance(modules, Iterable) else None
+    )
     if module_list is None:
-        raise TypeError(f"{caller}: `modules` must be a module or an iterable of modules, got {type(modules).__name__}.")
+        raise TypeError(
+            f"{caller}: `modules` must be a module or an iterable of modules, got {type(modules).__name__}."
+        )
     if not module_list:
         raise ValueError(f"{caller}: `modules` is empty; pass the models to average.")
     for module in module_list:
@@ -301,7 +308,9 @@ def _check_optimizers(optimizers: Any, caller: str) -> list[Optimizer]:
     optimizers = list(optimizers)
     for opt in optimizers:
         if not isinstance(opt, Optimizer):
-            raise TypeError(f"{caller}: `optimizers` must hold torch.optim.Optimizer objects, got {type(opt).__name__}.")
+            raise TypeError(
+                f"{caller}: `optimizers` must hold torch.optim.Optimizer objects, got {type(opt).__name__}."
+            )
     return optimizers
 
 

@@ -39,7 +39,7 @@ class Traffic(NamedTuple):
     elements: int = 0
     bytes: int = 0
 
-    def __add__(self, other: "Traffic") -> "Traffic":  # type: ignore[override]
+    def __add__(self, other: Traffic) -> Traffic:  # type: ignore[override]
         return Traffic(self.elements + other.elements, self.bytes + other.bytes)
 
 

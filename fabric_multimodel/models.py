@@ -6,7 +6,7 @@ import inspect
 from collections import namedtuple
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import DDPStrategy, ParallelStrategy
@@ -37,7 +37,7 @@ def setup_models(
     fabric: Fabric,
     /,
     *,
-    ddp_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    ddp_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     **models: nn.Module,
 ) -> Models:
     """Set up each model with Fabric, each in its **own** ``DistributedDataParallel``.
@@ -74,7 +74,7 @@ def setup_models(
     return _models_type(tuple(set_up))(**set_up)
 
 
-def ddp_of(module: nn.Module) -> Optional[DistributedDataParallel]:
+def ddp_of(module: nn.Module) -> DistributedDataParallel | None:
     """The ``DistributedDataParallel`` that runs ``module``'s forward, or None when there is none.
 
     Accepts what :func:`setup_models` or ``fabric.setup_module`` returned, a DDP module, or a

@@ -9,7 +9,7 @@ high-quality sample. The example and the benchmarks share this module.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ def ring_modes(n_modes: int = N_MODES, radius: float = RADIUS) -> torch.Tensor:
 def sample_ring(
     n: int,
     *,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     std: float = STD,
     n_modes: int = N_MODES,
     radius: float = RADIUS,

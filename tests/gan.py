@@ -18,7 +18,9 @@ def mlp(sizes: list[int], batch_norm: bool = False) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def make_gan(seed: int, z_dim: int, x_dim: int, hidden: list[int], batch_norm: bool = False) -> tuple[nn.Module, nn.Module]:
+def make_gan(
+    seed: int, z_dim: int, x_dim: int, hidden: list[int], batch_norm: bool = False
+) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(seed)
     return mlp([z_dim, *hidden, x_dim], batch_norm), mlp([x_dim, *hidden, 1], batch_norm)
 

@@ -26,12 +26,21 @@ def _gather(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _flat_state(modules) -> torch.Tensor:
-    tensors = [t.detach().double().reshape(-1) for m in modules for t in [*m.parameters(), *m.buffers()] if t.is_floating_point()]
+    tensors = [
+        t.detach().double().reshape(-1)
+        for m in modules
+        for t in [*m.parameters(), *m.buffers()]
+        if t.is_floating_point()
+    ]
     return torch.cat(tensors)
 
 
 def _ranks_differ(modules, buffers: bool = True) -> bool:
-    state = _flat_state(modules) if buffers else torch.cat([p.detach().reshape(-1) for m in modules for p in m.parameters()])
+    state = (
+        _flat_state(modules)
+        if buffers
+        else torch.cat([p.detach().reshape(-1) for m in modules for p in m.parameters()])
+    )
     gathered = _gather(state)
     return any(not torch.equal(gathered[0], g) for g in gathered[1:])
 
@@ -62,7 +71,7 @@ def round_is_mean(fabric, seed, hidden, dtype_name, batch_norm, with_optimizer):
     after = _flat_state([gen, disc])
     momentum_after = torch.cat([opt.state[p]["momentum_buffer"].double().reshape(-1) for p in gen.parameters()])
     # bfloat16 keeps 8 significant bits: each of the world-size additions may round once.
-    relative = 2.0 ** -8 * (fabric.world_size + 1) if dtype is torch.bfloat16 else 1e-6
+    relative = 2.0**-8 * (fabric.world_size + 1) if dtype is torch.bfloat16 else 1e-6
 
     def error(actual, wanted):  # in units of the tolerance: <= 1 passes
         return ((actual - wanted).abs() / (relative * wanted.abs().clamp(min=1.0))).max().item()
@@ -134,7 +143,9 @@ def run_schedule(fabric, period, warmup_steps, steps, batch_norm):
     and whether replicas differ after it."""
     gen, disc = make_gan(0, 3, 2, [8], batch_norm)
     gen, disc = setup_models(fabric, gen=gen, disc=disc)
-    opt_g, opt_d = fabric.setup_optimizers(torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1))
+    opt_g, opt_d = fabric.setup_optimizers(
+        torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    )
     data = torch.Generator().manual_seed(fabric.global_rank)
     log = []
     with Averager(fabric, [gen, disc], period=period, warmup_steps=warmup_steps) as averager:
@@ -153,7 +164,12 @@ def run_schedule(fabric, period, warmup_steps, steps, batch_norm):
                 }
             )
         rounds_inside = averager.rounds
-    return {"log": log, "rounds_inside": rounds_inside, "rounds": averager.rounds, "in_sync": replicas_in_sync(fabric, [gen, disc])}
+    return {
+        "log": log,
+        "rounds_inside": rounds_inside,
+        "rounds": averager.rounds,
+        "in_sync": replicas_in_sync(fabric, [gen, disc]),
+    }
 
 
 @given(
@@ -178,7 +194,9 @@ def test_schedule_and_silence_of_the_local_phase(worlds, period, warmup_steps, s
             assert entry["issued"] and not entry["params_differ"]
     local_steps = max(0, steps - warmup_steps)
     rounds_inside = local_steps // period
-    synced_at = warmup_steps + period * rounds_inside if rounds_inside else (0 if batch_norm else min(steps, warmup_steps))
+    synced_at = (
+        warmup_steps + period * rounds_inside if rounds_inside else (0 if batch_norm else min(steps, warmup_steps))
+    )
     averaged_on_exit = steps > synced_at
     assert result["rounds_inside"] == rounds_inside
     assert result["rounds"] == result["rounds_inside"] + averaged_on_exit
@@ -264,7 +282,9 @@ def train_with_checkpoint(fabric, period, warmup_steps, split, total, optimizer_
 def test_save_load_continue_equals_uninterrupted(worlds, period, warmup_steps, split, extra, optimizer_name):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ckpt.pt")
-        for difference, steps in worlds(2).run(train_with_checkpoint, period, warmup_steps, split, split + extra, optimizer_name, path):
+        for difference, steps in worlds(2).run(
+            train_with_checkpoint, period, warmup_steps, split, split + extra, optimizer_name, path
+        ):
             assert steps == split + extra
             assert difference < 1e-6
 
@@ -279,7 +299,11 @@ AVERAGER_BAD_INPUTS = {
     "period negative": (lambda f, m, other: Averager(f, m, period=-3), ValueError, "`period` must be >= 1"),
     "warmup negative": (lambda f, m, other: Averager(f, m, period=2, warmup_steps=-1), ValueError, "`warmup_steps`"),
     "warmup float": (lambda f, m, other: Averager(f, m, period=2, warmup_steps=1.5), TypeError, "`warmup_steps`"),
-    "average_buffers not bool": (lambda f, m, other: Averager(f, m, period=2, average_buffers=1), TypeError, "average_buffers"),
+    "average_buffers not bool": (
+        lambda f, m, other: Averager(f, m, period=2, average_buffers=1),
+        TypeError,
+        "average_buffers",
+    ),
     "raw module": (lambda f, m, other: Averager(f, nn.Linear(2, 2), period=2), TypeError, "was not set up"),
     "no modules": (lambda f, m, other: Averager(f, [], period=2), ValueError, "`modules` is empty"),
     "not a module": (lambda f, m, other: Averager(f, [m, "disc"], period=2), TypeError, "`modules`"),

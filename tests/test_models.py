@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import ModelParallelStrategy
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from fabric_multimodel import Models, ddp_of, frozen, setup_models
 from tests.gan import collectives, gan_iteration, make_gan
@@ -90,13 +89,17 @@ def gradient_elements_per_iteration(fabric, hidden):
     results = {"sizes": sizes}
     for label, freeze in [("separate_frozen", frozen), ("separate_unfrozen", _no_freeze)]:
         g, d = setup_models(fabric, gen=copy.deepcopy(gen), disc=copy.deepcopy(disc))
-        opt_g, opt_d = fabric.setup_optimizers(torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1))
+        opt_g, opt_d = fabric.setup_optimizers(
+            torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+        )
         real, z = torch.randn(4, 2), torch.randn(4, 3)
         for _ in range(2):  # DDP rebuilds its buckets (one broadcast) in the first iterations
             gan_iteration(fabric, g, d, opt_g, opt_d, real, z, freeze)
         results[label] = collectives(gan_iteration, fabric, g, d, opt_g, opt_d, real, z, freeze)
     (both,) = setup_models(
-        fabric, both=Container(copy.deepcopy(gen), copy.deepcopy(disc)), ddp_kwargs={"both": {"find_unused_parameters": True}}
+        fabric,
+        both=Container(copy.deepcopy(gen), copy.deepcopy(disc)),
+        ddp_kwargs={"both": {"find_unused_parameters": True}},
     )
     opt_g, opt_d = fabric.setup_optimizers(
         torch.optim.SGD(both.module.gen.parameters(), lr=0.1), torch.optim.SGD(both.module.disc.parameters(), lr=0.1)
@@ -202,7 +205,7 @@ def test_frozen_restores_every_requires_grad_flag(flags, fail):
             assert not any(p.requires_grad for p in model.parameters())
             model(x).sum().backward()
             if fail:
-                1 / 0
+                raise ZeroDivisionError
     assert [layer.weight.requires_grad for layer in model] == flags
     assert x.grad is not None and all(layer.weight.grad is None for layer in model)
 
@@ -212,7 +215,9 @@ def test_frozen_restores_every_requires_grad_flag(flags, fail):
 
 def test_single_process_is_plain_setup_module():
     fabric = Fabric(accelerator="cpu", devices=1)
-    gen, disc = setup_models(fabric, gen=nn.Linear(2, 2), disc=nn.Linear(2, 1), ddp_kwargs={"disc": {"broadcast_buffers": False}})
+    gen, disc = setup_models(
+        fabric, gen=nn.Linear(2, 2), disc=nn.Linear(2, 1), ddp_kwargs={"disc": {"broadcast_buffers": False}}
+    )
     assert ddp_of(gen) is None and ddp_of(disc) is None
     assert isinstance(gen.module, nn.Linear)
     with frozen(disc):
@@ -234,7 +239,7 @@ BAD_INPUTS = {
     "no models": lambda f: setup_models(f),
     "not a module": lambda f: setup_models(f, gen=torch.zeros(2)),
     "already set up": lambda f: setup_models(f, gen=f.setup_module(nn.Linear(2, 2))),
-    "same module twice": lambda f, m=nn.Linear(2, 2): setup_models(f, gen=m, disc=m),
+    "same module twice": lambda f: setup_models(f, gen=(m := nn.Linear(2, 2)), disc=m),
     "unknown ddp_kwargs name": lambda f: setup_models(f, gen=nn.Linear(2, 2), ddp_kwargs={"dsic": {}}),
     "ddp_kwargs not a mapping": lambda f: setup_models(f, gen=nn.Linear(2, 2), ddp_kwargs=[("gen", {})]),
     "ddp_kwargs value not a mapping": lambda f: setup_models(f, gen=nn.Linear(2, 2), ddp_kwargs={"gen": True}),

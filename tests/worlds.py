@@ -13,9 +13,10 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 # A hung collective turns into an error after this long instead of blocking the suite.
 COLLECTIVE_TIMEOUT_S = 60
