@@ -1,0 +1,229 @@
+"""End to end: the real `fabric run` / `python` commands on examples/gan_fabric.py, with short schedules.
+
+Each distributed run starts real processes (about 10-20 s on 2 cores), so runs are module-scoped
+fixtures and several tests read the same run.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = "examples/gan_fabric.py"
+FABRIC = Path(sys.executable).parent / "fabric"
+TIMEOUT_S = 240
+FINAL = re.compile(
+    r"^final: steps=(?P<steps>\d+) modes_captured=(?P<modes>\d+)/8 high_quality=(?P<hq>\d\.\d{3})"
+    r" wall_s=(?P<wall>\d+\.\d) iter_ms_median=(?P<iter_ms>\d+\.\d{2}) comm_bytes=(?P<comm>\d+)"
+    r" comm_bytes_per_iter=(?P<per_iter>\d+\.\d) rounds=(?P<rounds>\d+)$"
+)
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
+PLOT_HINT = "pip install 'fabric-multimodel[plot]'"
+
+
+class Run(NamedTuple):
+    out: Path
+    stdout: str
+    stderr: str
+    final: dict[str, float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LT_")}  # as if typed in a fresh shell
+    return subprocess.run(cmd, cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def train(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") -> Run:
+    if launcher == "fabric":
+        cmd = [str(FABRIC), "run", "--accelerator", "cpu", "--devices", str(devices), "--main-port", str(free_port()), SCRIPT]
+    else:  # the script starts its own processes (or runs as one)
+        cmd = [sys.executable, SCRIPT] + (["--devices", str(devices), "--accelerator", "cpu"] if devices > 1 else [])
+    proc = run(cmd + ["--out", str(out), *flags])
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("final:") for line in lines) == 1, proc.stdout  # rank 0 only
+    match = FINAL.match(lines[-1])  # the benchmarks parse the last line
+    assert match, f"last line is not the final line: {lines[-1]!r}"
+    final = {k: float(v) for k, v in match.groupdict().items()}
+    return Run(out, proc.stdout, proc.stderr, final)
+
+
+def model_bytes(checkpoint: dict) -> int:
+    """Bytes of the generator's and discriminator's parameters (what one synchronous iteration allreduces)."""
+    return sum(t.numel() * t.element_size() for name in ("gen", "disc") for t in checkpoint[name].values())
+
+
+def expected_rounds(start: int, end: int, warmup: int, period: int) -> int:
+    """Averaging rounds in steps start+1..end: every `period` steps after warm-up, plus one on leaving
+    the block when local steps happened since the last round."""
+    scheduled = [s for s in range(start + 1, end + 1) if s > warmup and (s - warmup) % period == 0]
+    last_synced = scheduled[-1] if scheduled else max(start, warmup)
+    return len(scheduled) + (end > last_synced)
+
+
+def metrics_rows(out: Path) -> list[dict[str, str]]:
+    files = sorted(out.glob("logs/version_*/metrics.csv"))
+    assert len(files) == 1, files
+    with files[0].open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return train(tmp_path_factory.mktemp("sync"), "--steps", "30", "--log-every", "10")
+
+
+@pytest.fixture(scope="module")
+def local_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return train(tmp_path_factory.mktemp("period"), "--steps", "40", "--period", "4", "--warmup-steps", "10")
+
+
+def test_fabric_run_synchronous(sync_run: Run) -> None:
+    final = sync_run.final
+    assert final["steps"] == 30
+    assert 0 <= final["modes"] <= 8
+    assert 0.0 <= final["hq"] <= 1.0
+    assert final["rounds"] == 0
+    assert final["iter_ms"] > 0 and final["wall"] > 0
+    # frozen(disc) in the G step: each model's gradients are allreduced exactly once per iteration.
+    checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
+    assert final["comm"] == 30 * model_bytes(checkpoint) > 0
+    assert final["per_iter"] == pytest.approx(final["comm"] / 30, abs=0.05)
+
+
+def test_fabric_run_writes_checkpoint_metrics_and_picture(sync_run: Run) -> None:
+    checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
+    assert set(checkpoint) == {"gen", "disc", "opt_g", "opt_d", "step", "grad_bytes"}
+    assert checkpoint["step"] == 30
+    assert checkpoint["grad_bytes"] == sync_run.final["comm"]
+
+    rows = metrics_rows(sync_run.out)
+    assert [int(row["step"]) for row in rows] == [10, 20, 30]
+    for row in rows:
+        assert set(row) >= {"d_loss", "g_loss", "modes_captured", "high_quality"}
+        assert float(row["d_loss"]) > 0 and float(row["g_loss"]) > 0
+        assert 0 <= int(row["modes_captured"]) <= 8 and 0 <= float(row["high_quality"]) <= 1
+
+    picture = sync_run.out / "samples.png"
+    if HAS_MATPLOTLIB:
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not picture.exists()
+        assert PLOT_HINT in sync_run.stdout
+
+
+def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Run) -> None:
+    final = local_sgd_run.final
+    assert final["steps"] == 40
+    # 30 local steps: a round every 4, and one more when leaving the block for the last 2 steps.
+    assert final["rounds"] == expected_rounds(0, 40, warmup=10, period=4) == 8
+    checkpoint = torch.load(local_sgd_run.out / "checkpoint.pt", weights_only=True)
+    assert checkpoint["averager"]["steps"] == 40 and checkpoint["averager"]["rounds"] == final["rounds"]
+    params = model_bytes(checkpoint)
+    # Warm-up: gradients every step. A round: parameters plus Adam's two moments.
+    assert final["comm"] == 10 * params + final["rounds"] * 3 * params
+    assert final["per_iter"] < sync_run.final["per_iter"]
+
+
+def test_resume_continues_to_the_total_steps(local_sgd_run: Run, tmp_path: Path) -> None:
+    resumed = train(tmp_path, "--steps", "80", "--period", "4", "--warmup-steps", "10",
+                    "--resume", str(local_sgd_run.out / "checkpoint.pt"))
+    final = resumed.final
+    assert final["steps"] == 80
+    assert 0 <= final["modes"] <= 8
+    # The schedule and the byte counts continue where the first run stopped: 40 more local steps,
+    # rounds when (step - warmup) % period == 0 (42, 46, ..., 78) and one more on leaving.
+    more = expected_rounds(40, 80, warmup=10, period=4)
+    assert more == 11
+    assert final["rounds"] == local_sgd_run.final["rounds"] + more
+    params = model_bytes(torch.load(resumed.out / "checkpoint.pt", weights_only=True))
+    assert final["comm"] == local_sgd_run.final["comm"] + more * 3 * params
+    assert torch.load(resumed.out / "checkpoint.pt", weights_only=True)["step"] == 80
+
+
+def test_script_launches_its_own_processes(tmp_path: Path) -> None:
+    result = train(tmp_path, "--steps", "20", devices=2, launcher="python")
+    assert result.final["steps"] == 20
+    assert result.final["comm"] > 0
+
+
+def test_single_process_communicates_nothing(tmp_path: Path) -> None:
+    result = train(tmp_path, "--steps", "20", "--period", "4", "--warmup-steps", "5", devices=1, launcher="python")
+    assert result.final["steps"] == 20
+    assert result.final["comm"] == 0
+    assert result.final["rounds"] == expected_rounds(0, 20, warmup=5, period=4)
+    assert (tmp_path / "checkpoint.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    "flags, mentions",
+    [
+        (["--period", "-1"], "--period"),
+        (["--steps", "0"], "--steps"),
+        (["--warmup-steps", "-1"], "--warmup-steps"),
+        (["--lr", "nan"], "--lr"),
+        (["--resume", "no/such/checkpoint.pt"], "no/such/checkpoint.pt"),
+        (["--steps", "many"], "'many'"),  # argparse's own errors are one line too
+    ],
+)
+def test_bad_flags_exit_with_one_line(flags: list[str], mentions: str, tmp_path: Path) -> None:
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), *flags])
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and mentions in lines[0], proc.stderr
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
+    # `fabric run` marks its processes with LT_CLI_USED=1; the flag must then go to `fabric run`.
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--devices", "2"], env={"LT_CLI_USED": "1"})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "fabric run" in proc.stderr
+
+
+def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path) -> None:
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "20", "--period", "4",
+                "--resume", str(local_sgd_run.out / "checkpoint.pt")])
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "beyond --steps 20" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path) -> None:
+    # A synchronous run's checkpoint has no averager state to resume --period from.
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "40", "--period", "4",
+                "--resume", str(sync_run.out / "checkpoint.pt")])
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "does not match the flags" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_digits(tmp_path: Path) -> None:
+    if not HAS_SKLEARN:  # the optional extra is missing: the script says how to get it
+        proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--dataset", "digits"])
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+        assert "pip install 'fabric-multimodel[digits]'" in proc.stderr
+        return
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--dataset", "digits", "--steps", "10"])
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.match(r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0$", last), last
+    assert (tmp_path / "digits.png").is_file() == HAS_MATPLOTLIB
