@@ -61,8 +61,8 @@ def all_reduce_mean_(
 
         traffic = all_reduce_mean_([p.data for p in model.parameters()])
     """
-    world = group_size(group)
     traffic = Traffic()
+    world = group_size(group) if tensors else 1
     if world == 1:
         return traffic
     # NCCL averages inside the collective; gloo has no AVG, so it sums and every rank divides the

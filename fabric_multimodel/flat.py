@@ -53,4 +53,4 @@ class FlatStorage:
 
             assert storage.intact(), "a parameter was given new storage (model.to()?)"
         """
-        return all(t.data_ptr() == address for t, address in zip(self.tensors, self._addresses))
+        return [t.data_ptr() for t in self.tensors] == self._addresses

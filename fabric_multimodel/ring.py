@@ -76,13 +76,16 @@ def ring_quality(
     return RingQuality(int(nearest_mode[good].unique().numel()), float(good.float().mean()))
 
 
-def ring_gan(z_dim: int = 16, hidden: int = 128, layers: int = 3) -> tuple[nn.Module, nn.Module]:
+def ring_gan(z_dim: int = 2, hidden: int = 128, layers: int = 3) -> tuple[nn.Module, nn.Module]:
     """A generator ``z -> (x, y)`` and a discriminator ``(x, y) -> logit``: MLPs of ``layers`` linear layers.
+
+    A 2-D latent for 2-D data covers all eight modes far more reliably in a few thousand steps than
+    a wider one (16 lost modes on some seeds in the example's tuning).
 
     Example::
 
         gen, disc = ring_gan()
-        logits = disc(gen(torch.randn(64, 16)))
+        logits = disc(gen(torch.randn(64, 2)))
     """
 
     def mlp(n_in: int, n_out: int) -> nn.Sequential:

@@ -1,0 +1,1 @@
+"""Benchmark scripts; run them as `python benchmarks/<name>.py` (see benchmarks/README.md)."""

@@ -1,0 +1,286 @@
+"""Cost of ONE averaging round against the floor: one allreduce of a flat fp32 tensor of the same size.
+
+Methods, all on the same ranks, interleaved inside every repeat:
+
+- ``floor``: ``dist.all_reduce`` of a preallocated flat fp32 tensor with the model's element count.
+- ``floor+div`` (diagnostic): the floor followed by ``div_(world)``, the least a mean costs on gloo.
+- ``ours``: ``Averager.sync()`` (parameters live in flat storage; one in-place allreduce + divide).
+- ``pytorch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``.
+- ``per-tensor``: ``for p in params: dist.all_reduce(p.data); p.data.div_(world)`` (accelerate, torchft).
+
+Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 tensors) and an MLP of
+400 small tensors (~0.83M parameters). Usage::
+
+    python benchmarks/averaging_cost.py [--quick] [--out DIR] [--world-sizes 2 4] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+
+NAME = "averaging_cost"
+METHODS = ("floor", "floor+div", "ours", "pytorch", "per-tensor")
+SUMMARY_METHODS = ("ours", "pytorch", "per-tensor")
+METHOD_LABELS = {
+    "floor": "floor (one flat allreduce)",
+    "floor+div": "floor + one in-place divide (gloo has no AVG)",
+    "ours": "ours: Averager.sync()",
+    "pytorch": "PyTorch average_parameters",
+    "per-tensor": "per-tensor allreduce",
+}
+MODELS = ("dcgan", "mlp400")
+MODEL_LABELS = {"dcgan": "DCGAN G+D", "mlp400": "MLP 400 tensors"}
+
+
+def build(model: str):
+    """The model(s) of one benchmark case, as a dict name -> nn.Module (same on every rank)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if model == "dcgan":
+        # DCGAN for 32x32 images (4 transposed convs / 4 convs, no conv biases): 6.09M parameters in
+        # 18 tensors, each BatchNorm counting 2 (weight, bias).
+        gen = nn.Sequential(
+            nn.ConvTranspose2d(100, 512, 4, 1, 0, bias=False), nn.BatchNorm2d(512), nn.ReLU(True),
+            nn.ConvTranspose2d(512, 256, 4, 2, 1, bias=False), nn.BatchNorm2d(256), nn.ReLU(True),
+            nn.ConvTranspose2d(256, 128, 4, 2, 1, bias=False), nn.BatchNorm2d(128), nn.ReLU(True),
+            nn.ConvTranspose2d(128, 3, 4, 2, 1, bias=False), nn.Tanh(),
+        )  # fmt: skip
+        disc = nn.Sequential(
+            nn.Conv2d(3, 128, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, True),
+            nn.Conv2d(128, 256, 4, 2, 1, bias=False), nn.BatchNorm2d(256), nn.LeakyReLU(0.2, True),
+            nn.Conv2d(256, 512, 4, 2, 1, bias=False), nn.BatchNorm2d(512), nn.LeakyReLU(0.2, True),
+            nn.Conv2d(512, 1, 4, 1, 0, bias=False),
+        )  # fmt: skip
+        return {"gen": gen, "disc": disc}
+    if model == "mlp400":
+        return {"mlp": nn.Sequential(*[nn.Linear(64, 64) for _ in range(200)])}
+    raise ValueError(f"unknown model {model!r}")
+
+
+def _params(modules) -> list:
+    return [p for m in modules for p in m.parameters()]
+
+
+def measure_world(fabric, models: list[str], repeats: int, warmup: int) -> list[dict]:
+    """On every rank: time each method on each model, interleaved; then profile one call of each."""
+    import torch.distributed as dist
+
+    rows = []
+    for model in models:
+        rows += measure_model(fabric, model, repeats, warmup)
+        dist.barrier()
+    return rows
+
+
+def _methods(fabric, model: str) -> tuple[dict, Any, int, int]:
+    """The calls to time for ``model``: {method: one round}, the entered Averager, elements, tensors."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+    from fabric_multimodel import Averager, setup_models
+
+    world = fabric.world_size
+    # Each method gets its own copy: PyTorch's average_parameters re-homes parameters into its
+    # concatenated buffer, which would detach them from the Averager's flat storage.
+    ours_models = setup_models(fabric, **build(model))
+    # Parameters only, so every method moves exactly the same elements (BatchNorm running
+    # statistics would add 1,792 elements to ours on the DCGAN pair).
+    averager = Averager(fabric, list(ours_models), period=1, average_buffers=False)
+    averager.__enter__()
+    pytorch_params = _params(build(model).values())
+    per_tensor_params = _params(build(model).values())
+    n_params = sum(p.numel() for p in pytorch_params)
+    floor = torch.zeros(n_params, dtype=torch.float32)
+    floor_div = torch.zeros(n_params, dtype=torch.float32)
+
+    def floor_only() -> None:
+        dist.all_reduce(floor)
+
+    def floor_and_divide() -> None:
+        dist.all_reduce(floor_div)
+        floor_div.div_(world)
+
+    def pytorch() -> None:
+        average_parameters(pytorch_params, None)
+
+    def per_tensor() -> None:
+        with torch.no_grad():
+            for p in per_tensor_params:
+                dist.all_reduce(p.data)
+                p.data.div_(world)
+
+    calls = {
+        "floor": floor_only,
+        "floor+div": floor_and_divide,
+        "ours": averager.sync,
+        "pytorch": pytorch,
+        "per-tensor": per_tensor,
+    }
+    return calls, averager, n_params, len(pytorch_params)
+
+
+def measure_model(fabric, model: str, repeats: int, warmup: int) -> list[dict]:
+    import torch.distributed as dist
+
+    world, rank = fabric.world_size, fabric.global_rank
+    calls, averager, n_params, n_tensors = _methods(fabric, model)
+    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    bar = common.Progress(f"{model} at {world} ranks", warmup + repeats)
+    for r in range(warmup + repeats):
+        # Interleaved, and rotated so no method always runs first (or right after another).
+        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        for method in order:
+            elapsed = common.barrier_timed(calls[method])
+            if r >= warmup:
+                times[method].append(elapsed)
+        bar.advance()
+    counted = {}
+    for method in METHODS:
+        dist.barrier()
+        counted[method] = common.profile_call(calls[method])
+        common.progress(f"{model} at {world} ranks: profiled one {method} round")
+    averager.__exit__(None, None, None)
+    all_times = common.gather(times)
+    all_counted = common.gather(counted)
+    if rank != 0:
+        return []
+    rows = []
+    floor_median = None
+    for method in METHODS:
+        # A round ends when its slowest rank is done: per repeat, the max over ranks.
+        per_repeat = [max(rank_times[method][i] for rank_times in all_times) for i in range(repeats)]
+        med = common.median(per_repeat)
+        floor_median = med if method == "floor" else floor_median
+        quartiles = _quartiles(per_repeat)
+        collectives = all_counted[0][method]["collectives"]
+        reductions = [n for name, n, _ in collectives if name.endswith("all_reduce")]
+        rows.append(
+            {
+                "model": model,
+                "params": n_params,
+                "tensors": n_tensors,
+                "ranks": world,
+                "method": method,
+                "median_ms": med * 1e3,
+                "min_ms": min(per_repeat) * 1e3,
+                "p25_ms": quartiles[0] * 1e3,
+                "p75_ms": quartiles[1] * 1e3,
+                "ratio_to_floor": med / floor_median,
+                "allreduce_calls": len(reductions),
+                "elements_allreduced": sum(reductions),
+                "other_collectives": len(collectives) - len(reductions),
+                "extra_bytes": max(c[method]["peak_extra_bytes"] for c in all_counted),
+                "repeats": repeats,
+            }
+        )
+    return rows
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    return at(0.25), at(0.75)
+
+
+def summary_table(rows: list[dict]) -> str:
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_case.setdefault((row["model"], row["ranks"]), {})[row["method"]] = row
+    headers = ["model", "params", "tensors", "ranks", "floor ms"]
+    for method in SUMMARY_METHODS:
+        headers += [f"{method} ms", f"{method} / floor"]
+    headers += ["extra memory: ours", "pytorch", "per-tensor"]
+    table = []
+    for (model, ranks), cells in by_case.items():
+        first = cells["floor"]
+        line = [MODEL_LABELS[model], common.thousands(first["params"]), first["tensors"], ranks]
+        line.append(f"{first['median_ms']:.3f}")
+        for method in SUMMARY_METHODS:
+            line += [f"{cells[method]['median_ms']:.3f}", common.ratio(cells[method]["ratio_to_floor"])]
+        line += [common.human_bytes(cells[m]["extra_bytes"]) for m in ("ours", "pytorch", "per-tensor")]
+        table.append(line)
+    return common.markdown_table(headers, table)
+
+
+def detail_table(rows: list[dict]) -> str:
+    headers = [
+        "model",
+        "ranks",
+        "method",
+        "median ms",
+        "p25-p75 ms",
+        "ratio to floor",
+        "allreduce calls",
+        "elements",
+        "extra bytes",
+    ]
+    table = [
+        [
+            r["model"],
+            r["ranks"],
+            r["method"],
+            f"{r['median_ms']:.3f}",
+            f"{r['p25_ms']:.3f}-{r['p75_ms']:.3f}",
+            common.ratio(r["ratio_to_floor"]),
+            r["allreduce_calls"],
+            common.thousands(r["elements_allreduced"]),
+            r["extra_bytes"],
+        ]
+        for r in rows
+    ]
+    return common.markdown_table(headers, table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.start_clock()
+    p = common.parser(NAME, __doc__.splitlines()[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="ranks per world (default: 2 4)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per method (default: 60; quick: 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds per method first (default: 5; quick: 1)")
+    args = p.parse_args(argv)
+    repeats = args.repeats or (5 if args.quick else 60)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    info = common.machine_info()
+
+    rows: list[dict] = []
+    for size in args.world_sizes:
+        common.progress(f"starting a {size}-process gloo world ({repeats} repeats, {warmup} warm-up)")
+        rows += common.run_world(size, measure_world, list(MODELS), repeats, warmup)[0]
+    elapsed = common.elapsed()
+
+    print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")
+    print(common.machine_line(info, world_sizes=" ".join(map(str, args.world_sizes)), repeats=repeats, warmup=warmup))
+    print()
+    print("Median ms per round over repeats (per repeat: the slowest rank), ratio to the floor, and the peak")
+    print("extra memory PyTorch's allocator held during one round beyond the model.\n")
+    print(summary_table(rows))
+    print("\n## Details (per method)\n")
+    print(detail_table(rows))
+    for model in MODELS:
+        first = next(r for r in rows if r["model"] == model)
+        print(f"\n{MODEL_LABELS[model]}: {first['params']:,} parameters in {first['tensors']} tensors.", end="")
+    print()
+    csv_path = common.write_csv(args.out / f"{NAME}.csv", rows)
+    common.write_json(
+        args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "elapsed_s": elapsed, "rows": rows}
+    )
+    common.progress(f"done in {elapsed:.0f}s; wrote {csv_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Smoke tests of the benchmark scripts: each runs with --quick, and what it prints and writes has the
+promised structure and the orderings that do not depend on timing. Timing ratios are never asserted
+(the machine is shared and noisy)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.averaging_period import Final, parse_final
+from benchmarks.common import markdown_table
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT_TIMEOUT_S = 600  # quick modes take ~15-90 s on 2 cores; leave room for a busy CI machine
+
+
+def run_script(name: str, out: Path, *extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "BENCHMARKS_T0"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out), *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in ``text``, as lists of {header: cell} rows."""
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            headers, rule, *rows = block
+            assert all(set(c) <= set("-:") for c in rule), rule
+            assert all(len(row) == len(headers) for row in rows), block
+            tables.append([dict(zip(headers, row)) for row in rows])
+            block = []
+    return tables
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    assert path.is_file(), f"{path} was not written"
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def number(cell: str) -> float:
+    return float(cell.replace(",", "").rstrip("x"))
+
+
+# --- gan_comm ---------------------------------------------------------------------------------
+
+
+def test_gan_comm_quick(tmp_path):
+    stdout = run_script("gan_comm", tmp_path)
+    assert "Machine:" in stdout and "torch" in stdout
+    (table,) = markdown_tables(stdout)
+    by_setting = {row["setting"][:3]: row for row in table}
+    assert set(by_setting) == {"(a)", "(b)", "(c)"}
+    grad_bytes = {key: number(row["gradient bytes/iter"]) for key, row in by_setting.items()}
+    # (c) moves each model's gradients once, (a) twice; (b) moves D's twice.
+    assert grad_bytes["(c)"] * 2 == grad_bytes["(a)"]
+    assert grad_bytes["(c)"] < grad_bytes["(b)"] < grad_bytes["(a)"]
+    assert all(number(row["ms/iter"]) > 0 for row in table)
+
+    rows = {row["setting"]: row for row in read_csv(tmp_path / "gan_comm.csv")}
+    g, d = int(rows["c"]["gen_params"]), int(rows["c"]["disc_params"])
+    elements = {key: float(row["gradient_elements_per_iter"]) for key, row in rows.items()}
+    assert elements == {"a": 2 * (g + d), "b": g + 2 * d, "c": g + d}
+    assert all(float(rows[k]["gradient_bytes_per_iter"]) == 4 * elements[k] for k in rows)
+    # find_unused_parameters adds a used-parameter map (one int per parameter tensor) per backward.
+    assert float(rows["a"]["used_map_elements_per_iter"]) == 2 * int(rows["a"]["param_tensors"])
+    assert float(rows["b"]["used_map_elements_per_iter"]) == float(rows["c"]["used_map_elements_per_iter"]) == 0
+    assert float(rows["c"]["allreduce_calls_per_iter"]) == 2  # one per model's backward
+
+
+# --- averaging_cost ---------------------------------------------------------------------------
+
+
+def test_averaging_cost_quick(tmp_path):
+    stdout = run_script("averaging_cost", tmp_path)
+    assert "Machine:" in stdout
+    summary, details = markdown_tables(stdout)
+    assert len(summary) == 4  # 2 models x world sizes 2 and 4
+    methods = ("floor", "floor+div", "ours", "pytorch", "per-tensor")
+    cases = {(row["model"], row["ranks"], row["method"]): row for row in details}
+    assert set(cases) == {(m, r, k) for m in ("dcgan", "mlp400") for r in ("2", "4") for k in methods}
+    for row in details:
+        assert number(row["median ms"]) > 0
+        assert math.isfinite(number(row["ratio to floor"]))
+
+    rows = read_csv(tmp_path / "averaging_cost.csv")
+    assert len(rows) == len(cases)
+    by_case = {(r["model"], r["ranks"], r["method"]): r for r in rows}
+    for model in ("dcgan", "mlp400"):
+        for ranks in ("2", "4"):
+            floor, ours = by_case[(model, ranks, "floor")], by_case[(model, ranks, "ours")]
+            pytorch, per_tensor = by_case[(model, ranks, "pytorch")], by_case[(model, ranks, "per-tensor")]
+            n = int(floor["params"])
+            # Same elements, counted by the profiler; ours in one allreduce like the floor.
+            for method in methods:
+                assert int(by_case[(model, ranks, method)]["elements_allreduced"]) == n
+            assert int(ours["allreduce_calls"]) == int(floor["allreduce_calls"]) == 1
+            assert int(per_tensor["allreduce_calls"]) == int(floor["tensors"])
+            # Memory: ours works in place; PyTorch concatenates a copy of the whole model.
+            assert int(ours["extra_bytes"]) < 0.01 * 4 * n
+            assert int(pytorch["extra_bytes"]) >= 4 * n
+    assert (int(by_case[("dcgan", "2", "floor")]["params"]), int(by_case[("dcgan", "2", "floor")]["tensors"])) == (
+        6_085_888,
+        18,
+    )
+    assert (int(by_case[("mlp400", "2", "floor")]["params"]), int(by_case[("mlp400", "2", "floor")]["tensors"])) == (
+        832_000,
+        400,
+    )
+
+
+# --- averaging_period -------------------------------------------------------------------------
+
+GOOD_FINAL = (
+    "final: steps=3000 modes_captured=8/8 high_quality=0.950 wall_s=95.2 iter_ms_median=28.41"
+    " comm_bytes=431652000 comm_bytes_per_iter=143884.0 rounds=0"
+)
+
+
+def test_parse_final_reads_the_example_contract():
+    stdout = f"step 3000/3000 d_loss=1.3 g_loss=0.7 100 it/s\n{GOOD_FINAL}\n"
+    assert parse_final(stdout) == Final(3000, 8, 8, 0.95, 95.2, 28.41, 431652000, 143884.0, 0)
+    # The last final line wins; trailing blank lines are fine.
+    earlier = GOOD_FINAL.replace("rounds=0", "rounds=5")
+    assert parse_final(f"{earlier}\n{GOOD_FINAL}\n\n").rounds == 0
+    assert math.isnan(parse_final(GOOD_FINAL.replace("28.41", "nan")).iter_ms_median)
+
+
+@pytest.mark.parametrize(
+    "stdout",
+    [
+        "",
+        "step 10/10 d_loss=1.0\n",
+        GOOD_FINAL.replace("modes_captured=8/8", "modes_captured=8"),
+        GOOD_FINAL.replace(" rounds=0", ""),
+        GOOD_FINAL + " extra=1",
+        GOOD_FINAL.replace("steps=3000", "steps=3e3"),
+    ],
+)
+def test_parse_final_rejects_anything_else(stdout):
+    with pytest.raises(ValueError):
+        parse_final(stdout)
+
+
+def test_averaging_period_quick(tmp_path):
+    if not (REPO / "examples" / "gan_fabric.py").is_file():
+        pytest.skip("examples/gan_fabric.py is missing")
+    stdout = run_script("averaging_period", tmp_path)
+    (table,) = markdown_tables(stdout)
+    settings = [row["setting"] for row in table]
+    assert settings[0].startswith("synchronous DDP") and settings[-1].startswith("no communication")
+    assert any(s == "period 8" for s in settings)
+
+    rows = {row["setting"]: row for row in read_csv(tmp_path / "averaging_period.csv")}
+    assert set(rows) == {"sync", "period=8", "no-comm"}
+    per_iter = [float(rows[key]["comm_bytes_per_iter"]) for key in ("sync", "period=8", "no-comm")]
+    assert per_iter[0] > per_iter[1] > per_iter[2] > 0
+    assert float(rows["sync"]["rounds"]) == 0 and float(rows["no-comm"]["rounds"]) == 1
+    for row in rows.values():
+        assert float(row["iter_ms_median"]) > 0
+        assert 0 <= float(row["modes_captured_mean"]) <= int(row["modes"])
+        assert 0 <= float(row["high_quality_mean"]) <= 1
+    assert len(read_csv(tmp_path / "averaging_period_runs.csv")) == 3
+
+
+# --- shared pieces ----------------------------------------------------------------------------
+
+
+def test_markdown_table_right_aligns_numbers_only():
+    text = markdown_table(["name", "ms", "ratio"], [["floor", "1.50", "1.00x"], ["ours", "12.25", "1.07x"]])
+    header, rule, first, second = text.splitlines()
+    assert rule.split("|")[1].endswith("-") and rule.split("|")[2].endswith(":") and rule.split("|")[3].endswith(":")
+    assert first == "| floor |  1.50 | 1.00x |"
+    assert markdown_tables(text) == [
+        [{"name": "floor", "ms": "1.50", "ratio": "1.00x"}, {"name": "ours", "ms": "12.25", "ratio": "1.07x"}]
+    ]
