@@ -269,7 +269,8 @@ class Averager:
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
             # The local phase turns off both of DDP's collectives: the gradient allreduce (what
-            # no_sync() does, but for every forward in the phase) and the per-forward buffer broadcast.
+            # no_sync() does, but for every forward in the phase) and the per-forward buffer broadcast
+            # (`broadcast_buffers`, a property over `forward_sync_buffers` since torch 2.13).
             ddp.require_backward_grad_sync = grad_sync and not self.local
             ddp.broadcast_buffers = broadcast_buffers and not self.local
             if self.local and ddp.reducer._rebuild_buckets():

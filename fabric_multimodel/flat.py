@@ -53,4 +53,4 @@ class FlatStorage:
 
             assert storage.intact(), "a parameter was given new storage (model.to()?)"
         """
-        return [t.data_ptr() for t in self.tensors] == self._addresses
+        return list(map(torch.Tensor.data_ptr, self.tensors)) == self._addresses
