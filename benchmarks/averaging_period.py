@@ -2,10 +2,10 @@
 
 Runs the example ``examples/gan_fabric.py`` under ``fabric run`` once per setting and seed, and
 parses its last line (``final: steps=... modes_captured=K/8 high_quality=F wall_s=T
-iter_ms_median=MS comm_bytes=B comm_bytes_per_iter=BPI rounds=R``). Settings: synchronous DDP
-(``--period 0``), averaging periods 1, 2, 4, 8, 16, 32 after ``--warmup-steps`` synchronous steps,
-and no communication (``--period <steps> --warmup-steps 0``: exactly one averaging round, at the
-very end). Seeds are the outer loop, settings the inner one, so machine noise hits every setting.
+iter_ms_median=MS iter_ms_mean=MS comm_bytes=B comm_bytes_per_iter=BPI rounds=R``). Settings:
+synchronous DDP (``--period 0``), averaging periods 1, 2, 4, 8, 16, 32 after ``--warmup-steps``
+synchronous steps, the floor for local training ("local": the same warm-up, then no communication
+until one round at the very end) and no communication at all (``--period <steps> --warmup-steps 0``). Seeds are the outer loop, settings the inner one, so machine noise hits every setting.
 Usage::
 
     python benchmarks/averaging_period.py [--quick] [--out DIR] [--steps 3000] [--seeds 3] [--reuse]
@@ -39,6 +39,7 @@ FINAL_LINE = re.compile(
     r" high_quality=(?P<high_quality>\d+\.\d+)"
     r" wall_s=(?P<wall_s>\d+\.\d+)"
     r" iter_ms_median=(?P<iter_ms_median>\d+\.\d+|nan)"
+    r" iter_ms_mean=(?P<iter_ms_mean>\d+\.\d+|nan)"
     r" comm_bytes=(?P<comm_bytes>\d+)"
     r" comm_bytes_per_iter=(?P<comm_bytes_per_iter>\d+\.\d+)"
     r" rounds=(?P<rounds>\d+)$"
@@ -54,6 +55,7 @@ class Final(NamedTuple):
     high_quality: float
     wall_s: float
     iter_ms_median: float
+    iter_ms_mean: float
     comm_bytes: int
     comm_bytes_per_iter: float
     rounds: int
@@ -81,6 +83,7 @@ def parse_final(stdout: str) -> Final:
         high_quality=float(g["high_quality"]),
         wall_s=float(g["wall_s"]),
         iter_ms_median=float(g["iter_ms_median"]),
+        iter_ms_mean=float(g["iter_ms_mean"]),
         comm_bytes=int(g["comm_bytes"]),
         comm_bytes_per_iter=float(g["comm_bytes_per_iter"]),
         rounds=int(g["rounds"]),
@@ -88,7 +91,7 @@ def parse_final(stdout: str) -> Final:
 
 
 class Setting(NamedTuple):
-    key: str  # "sync", "period=8", "no-comm"
+    key: str  # "sync", "period=8", "local", "no-comm"
     label: str
     period: int  # the example's --period
     warmup_steps: int  # the example's --warmup-steps
@@ -99,7 +102,9 @@ def settings(periods: list[int], steps: int, warmup: int) -> list[Setting]:
     # --period 0 runs no Averager, so it has no warm-up phase: every iteration is synchronous.
     out = [Setting("sync", "synchronous DDP (--period 0)", 0, 0, "sync")]
     out += [Setting(f"period={p}", f"period {p}", p, warmup, str(p)) for p in periods]
-    out.append(Setting("no-comm", "no communication (1 round, at the end)", steps, 0, "none"))
+    # The floor for local training: the same warm-up, then no communication until one round at the end.
+    out.append(Setting("local", "no communication after warm-up (1 round, at the end)", steps, warmup, "local"))
+    out.append(Setting("no-comm", "no communication at all (1 round, at the end)", steps, 0, "none"))
     return out
 
 
@@ -191,8 +196,9 @@ def _row(setting: Setting, seed: int, final: Final, elapsed: float, reused: bool
 def summarise(all_settings: list[Setting], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per setting: medians and spreads over seeds."""
     by_key = {s.key: [r for r in runs if r["setting"] == s.key] for s in all_settings}
-    no_comm = by_key.get("no-comm") or []
-    base_ms = statistics.median(r["iter_ms_median"] for r in no_comm) if no_comm else math.nan
+    floor = by_key.get("local") or []
+    base_median = statistics.median(r["iter_ms_median"] for r in floor) if floor else math.nan
+    base_mean = statistics.median(r["iter_ms_mean"] for r in floor) if floor else math.nan
     rows = []
     for s in all_settings:
         mine = by_key[s.key]
@@ -201,6 +207,7 @@ def summarise(all_settings: list[Setting], runs: list[dict[str, Any]]) -> list[d
         hq = [r["high_quality"] for r in mine]
         modes = [r["modes_captured"] for r in mine]
         iter_ms = statistics.median(r["iter_ms_median"] for r in mine)
+        iter_ms_mean = statistics.median(r["iter_ms_mean"] for r in mine)
         rows.append(
             {
                 "setting": s.key,
@@ -210,7 +217,9 @@ def summarise(all_settings: list[Setting], runs: list[dict[str, Any]]) -> list[d
                 "steps": mine[0]["steps"],
                 "seeds": len(mine),
                 "iter_ms_median": iter_ms,
-                "ratio_to_no_comm": iter_ms / base_ms if base_ms and not math.isnan(base_ms) else math.nan,
+                "median_ratio_to_local": iter_ms / base_median if base_median else math.nan,
+                "iter_ms_mean": iter_ms_mean,
+                "mean_ratio_to_local": iter_ms_mean / base_mean if base_mean else math.nan,
                 "comm_bytes_per_iter": statistics.median(r["comm_bytes_per_iter"] for r in mine),
                 "rounds": statistics.median(r["rounds"] for r in mine),
                 "modes_captured_mean": statistics.mean(modes),
@@ -231,8 +240,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         "setting",
         "warm-up",
         "seeds",
-        "ms/iter",
-        "ratio to no-comm",
+        "ms/iter median",
+        "median / local",
+        "ms/iter mean",
+        "mean / local",
         "bytes/iter",
         "rounds",
         "modes captured mean (min)",
@@ -246,7 +257,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                 r["warmup_steps"] if r["period"] else "-",
                 r["seeds"],
                 f"{r['iter_ms_median']:.2f}",
-                common.ratio(r["ratio_to_no_comm"]),
+                common.ratio(r["median_ratio_to_local"]),
+                f"{r['iter_ms_mean']:.2f}",
+                common.ratio(r["mean_ratio_to_local"]),
                 f"{r['comm_bytes_per_iter']:,.1f}",
                 f"{r['rounds']:g}",
                 f"{r['modes_captured_mean']:.2f}/{r['modes']} ({r['modes_captured_min']})",
@@ -265,8 +278,10 @@ def plot(path: Path, all_settings: list[Setting], rows: list[dict[str, Any]], ti
     labels = [xs[r["setting"]] for r in rows]
     positions = list(range(len(rows)))
     fig, (ax_ms, ax_bytes, ax_quality) = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax_ms.plot(positions, [r["iter_ms_median"] for r in rows], "o-")
-    ax_ms.set_ylabel("ms / iteration (median over seeds)")
+    ax_ms.plot(positions, [r["iter_ms_median"] for r in rows], "o-", label="median iteration")
+    ax_ms.plot(positions, [r["iter_ms_mean"] for r in rows], "s--", label="mean iteration (rounds included)")
+    ax_ms.set_ylabel("ms / iteration after warm-up (median over seeds)")
+    ax_ms.legend(fontsize=8)
     ax_bytes.plot(positions, [max(r["comm_bytes_per_iter"], 1.0) for r in rows], "o-", color="tab:orange")
     ax_bytes.set_yscale("log")
     ax_bytes.set_ylabel("bytes communicated / iteration (per rank)")
@@ -366,11 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     print()
     print(
-        "Ring GAN, examples/gan_fabric.py under `fabric run`. ms/iter: median over seeds of each run's median"
-        " iteration time after warm-up (sync DDP and no-comm: all iterations). bytes/iter: gradient allreduce"
-        " bytes (warm-up included) plus averaging rounds (parameters and Adam moments), divided by all steps,"
-        " per rank. no communication = --period <steps> --warmup-steps 0: exactly one averaging round, at the"
-        " very end. Quality of rank 0's generator at the end, 2500 samples.\n"
+        "Ring GAN, examples/gan_fabric.py under `fabric run`. ms/iter median / mean: median over seeds of"
+        " each run's median / mean iteration time on rank 0 after warm-up (sync DDP and no-comm: all"
+        " iterations); the mean includes the averaging rounds, the median leaves them out. Ratios are to"
+        " 'local' (same warm-up, then no communication), the floor for local training. bytes/iter: gradient"
+        " allreduce bytes (warm-up included) plus averaging rounds (parameters and Adam moments), divided"
+        " by all steps, per rank. Quality of the final (averaged) generator, 2500 samples.\n"
     )
     if rows:
         print(table(rows))

@@ -130,13 +130,13 @@ def test_averaging_cost_quick(tmp_path):
 
 GOOD_FINAL = (
     "final: steps=3000 modes_captured=8/8 high_quality=0.950 wall_s=95.2 iter_ms_median=28.41"
-    " comm_bytes=431652000 comm_bytes_per_iter=143884.0 rounds=0"
+    " iter_ms_mean=29.03 comm_bytes=431652000 comm_bytes_per_iter=143884.0 rounds=0"
 )
 
 
 def test_parse_final_reads_the_example_contract():
     stdout = f"step 3000/3000 d_loss=1.3 g_loss=0.7 100 it/s\n{GOOD_FINAL}\n"
-    assert parse_final(stdout) == Final(3000, 8, 8, 0.95, 95.2, 28.41, 431652000, 143884.0, 0)
+    assert parse_final(stdout) == Final(3000, 8, 8, 0.95, 95.2, 28.41, 29.03, 431652000, 143884.0, 0)
     # The last final line wins; trailing blank lines are fine.
     earlier = GOOD_FINAL.replace("rounds=0", "rounds=5")
     assert parse_final(f"{earlier}\n{GOOD_FINAL}\n\n").rounds == 0
@@ -150,6 +150,7 @@ def test_parse_final_reads_the_example_contract():
         "step 10/10 d_loss=1.0\n",
         GOOD_FINAL.replace("modes_captured=8/8", "modes_captured=8"),
         GOOD_FINAL.replace(" rounds=0", ""),
+        GOOD_FINAL.replace(" iter_ms_mean=29.03", ""),
         GOOD_FINAL + " extra=1",
         GOOD_FINAL.replace("steps=3000", "steps=3e3"),
     ],
@@ -160,8 +161,6 @@ def test_parse_final_rejects_anything_else(stdout):
 
 
 def test_averaging_period_quick(tmp_path):
-    if not (REPO / "examples" / "gan_fabric.py").is_file():
-        pytest.skip("examples/gan_fabric.py is missing")
     stdout = run_script("averaging_period", tmp_path)
     (table,) = markdown_tables(stdout)
     settings = [row["setting"] for row in table]
@@ -169,15 +168,17 @@ def test_averaging_period_quick(tmp_path):
     assert any(s == "period 8" for s in settings)
 
     rows = {row["setting"]: row for row in read_csv(tmp_path / "averaging_period.csv")}
-    assert set(rows) == {"sync", "period=8", "no-comm"}
-    per_iter = [float(rows[key]["comm_bytes_per_iter"]) for key in ("sync", "period=8", "no-comm")]
-    assert per_iter[0] > per_iter[1] > per_iter[2] > 0
-    assert float(rows["sync"]["rounds"]) == 0 and float(rows["no-comm"]["rounds"]) == 1
+    assert set(rows) == {"sync", "period=8", "local", "no-comm"}
+    per_iter = [float(rows[key]["comm_bytes_per_iter"]) for key in ("sync", "period=8", "local", "no-comm")]
+    assert per_iter[0] > per_iter[1] > per_iter[2] > per_iter[3] > 0
+    assert float(rows["sync"]["rounds"]) == 0
+    assert float(rows["local"]["rounds"]) == float(rows["no-comm"]["rounds"]) == 1
+    assert float(rows["local"]["mean_ratio_to_local"]) == 1.0
     for row in rows.values():
-        assert float(row["iter_ms_median"]) > 0
+        assert float(row["iter_ms_median"]) > 0 and float(row["iter_ms_mean"]) > 0
         assert 0 <= float(row["modes_captured_mean"]) <= int(row["modes"])
         assert 0 <= float(row["high_quality_mean"]) <= 1
-    assert len(read_csv(tmp_path / "averaging_period_runs.csv")) == 3
+    assert len(read_csv(tmp_path / "averaging_period_runs.csv")) == 4
 
 
 # --- shared pieces ----------------------------------------------------------------------------

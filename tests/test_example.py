@@ -25,7 +25,8 @@ FABRIC = Path(sys.executable).parent / "fabric"
 TIMEOUT_S = 240
 FINAL = re.compile(
     r"^final: steps=(?P<steps>\d+) modes_captured=(?P<modes>\d+)/8 high_quality=(?P<hq>\d\.\d{3})"
-    r" wall_s=(?P<wall>\d+\.\d) iter_ms_median=(?P<iter_ms>\d+\.\d{2}) comm_bytes=(?P<comm>\d+)"
+    r" wall_s=(?P<wall>\d+\.\d) iter_ms_median=(?P<iter_ms>\d+\.\d{2})"
+    r" iter_ms_mean=(?P<iter_ms_mean>\d+\.\d{2}) comm_bytes=(?P<comm>\d+)"
     r" comm_bytes_per_iter=(?P<per_iter>\d+\.\d) rounds=(?P<rounds>\d+)$"
 )
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -102,7 +103,7 @@ def test_fabric_run_synchronous(sync_run: Run) -> None:
     assert 0 <= final["modes"] <= 8
     assert 0.0 <= final["hq"] <= 1.0
     assert final["rounds"] == 0
-    assert final["iter_ms"] > 0 and final["wall"] > 0
+    assert final["iter_ms"] > 0 and final["iter_ms_mean"] > 0 and final["wall"] > 0
     # frozen(disc) in the G step: each model's gradients are allreduced exactly once per iteration.
     checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
     assert final["comm"] == 30 * model_bytes(checkpoint) > 0
@@ -225,5 +226,5 @@ def test_digits(tmp_path: Path) -> None:
     proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--dataset", "digits", "--steps", "10"])
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
-    assert re.match(r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0$", last), last
+    assert re.match(r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ iter_ms_mean=\S+ comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0$", last), last
     assert (tmp_path / "digits.png").is_file() == HAS_MATPLOTLIB
