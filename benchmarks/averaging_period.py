@@ -5,7 +5,8 @@ parses its last line (``final: steps=... modes_captured=K/8 high_quality=F wall_
 iter_ms_median=MS iter_ms_mean=MS comm_bytes=B comm_bytes_per_iter=BPI rounds=R``). Settings:
 synchronous DDP (``--period 0``), averaging periods 1, 2, 4, 8, 16, 32 after ``--warmup-steps``
 synchronous steps, the floor for local training ("local": the same warm-up, then no communication
-until one round at the very end) and no communication at all (``--period <steps> --warmup-steps 0``). Seeds are the outer loop, settings the inner one, so machine noise hits every setting.
+until one round at the very end) and no communication at all (``--period <steps> --warmup-steps 0``).
+Seeds are the outer loop, settings the inner one, so machine noise hits every setting.
 Usage::
 
     python benchmarks/averaging_period.py [--quick] [--out DIR] [--steps 3000] [--seeds 3] [--reuse]

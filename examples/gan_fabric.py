@@ -15,12 +15,13 @@ generator's gradients only. With ``--period N`` an ``Averager`` runs ``--warmup-
 steps, then local steps with no communication, averaging the replicas every N steps.
 
 Rank 0 writes ``OUT/checkpoint.pt``, CSV metrics under ``OUT/logs/`` and a picture of the samples
-(with matplotlib), and its last line is machine-readable::
+(with matplotlib), and its last line is machine-readable (wrapped here)::
 
-    final: steps=3000 modes_captured=8/8 high_quality=0.655 wall_s=86.1 iter_ms_median=27.41 iter_ms_mean=28.10 comm_bytes=410148000 comm_bytes_per_iter=136716.0 rounds=0
+    final: steps=3000 modes_captured=8/8 high_quality=0.655 wall_s=74.6 iter_ms_median=24.29
+        iter_ms_mean=24.84 comm_bytes=410148000 comm_bytes_per_iter=136716.0 rounds=0
 
-(that is the first command on a 2-core CPU; with ``--period 8`` the same machine reports 8/8 modes,
-0.746 high quality, 43 s, 6.6 ms per iteration and 48% of the bytes in 313 averaging rounds).
+That is the first command on a 2-core CPU (4 processes, seed 0); with ``--period 8`` the same
+machine reached 8/8 modes and 0.746 high quality in 313 averaging rounds, sending 48% of the bytes.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +54,11 @@ from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
 EVAL_SAMPLES = 2500
 # torch 2.13 renamed DDP's `broadcast_buffers` to `forward_sync_buffers` (the old name warns).
-SYNC_BUFFERS = next(n for n in ("forward_sync_buffers", "broadcast_buffers")
-                    if n in inspect.signature(DistributedDataParallel).parameters)
+SYNC_BUFFERS = next(
+    n
+    for n in ("forward_sync_buffers", "broadcast_buffers")
+    if n in inspect.signature(DistributedDataParallel).parameters
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,8 +84,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
     args = p.parse_args()
     # Every rank runs this identically, before any collective, so a bad flag stops all of them.
-    for flag, minimum in [("steps", 1), ("batch_size", 1), ("period", 0), ("warmup_steps", 0),
-                          ("checkpoint_every", 0), ("log_every", 0), ("devices", 1)]:
+    for flag, minimum in [
+        ("steps", 1),
+        ("batch_size", 1),
+        ("period", 0),
+        ("warmup_steps", 0),
+        ("checkpoint_every", 0),
+        ("log_every", 0),
+        ("devices", 1),
+    ]:
         value = getattr(args, flag)
         if value is not None and value < minimum:
             p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
@@ -102,14 +114,24 @@ def digits_gan(z_dim: int) -> tuple[nn.Module, nn.Module, Sampler]:
 
     images = torch.tensor(load_digits().images, dtype=torch.float32).unsqueeze(1) / 8 - 1  # 0..16 -> [-1, 1]
     gen = nn.Sequential(
-        nn.Linear(z_dim, 64 * 2 * 2), nn.Unflatten(1, (64, 2, 2)), nn.BatchNorm2d(64), nn.ReLU(),
-        nn.ConvTranspose2d(64, 32, 4, 2, 1), nn.BatchNorm2d(32), nn.ReLU(),  # 4x4
-        nn.ConvTranspose2d(32, 1, 4, 2, 1), nn.Tanh(),  # 8x8
+        nn.Linear(z_dim, 64 * 2 * 2),
+        nn.Unflatten(1, (64, 2, 2)),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.ConvTranspose2d(64, 32, 4, 2, 1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),  # 4x4
+        nn.ConvTranspose2d(32, 1, 4, 2, 1),
+        nn.Tanh(),  # 8x8
     )
     disc = nn.Sequential(
-        nn.Conv2d(1, 32, 4, 2, 1), nn.LeakyReLU(0.2),  # 4x4
-        nn.Conv2d(32, 64, 4, 2, 1), nn.BatchNorm2d(64), nn.LeakyReLU(0.2),  # 2x2
-        nn.Flatten(), nn.Linear(64 * 2 * 2, 1),
+        nn.Conv2d(1, 32, 4, 2, 1),
+        nn.LeakyReLU(0.2),  # 4x4
+        nn.Conv2d(32, 64, 4, 2, 1),
+        nn.BatchNorm2d(64),
+        nn.LeakyReLU(0.2),  # 2x2
+        nn.Flatten(),
+        nn.Linear(64 * 2 * 2, 1),
     )
     return gen, disc, lambda n, g: images[torch.randint(len(images), (n,), generator=g)]
 
@@ -194,8 +216,11 @@ class Progress:
         rate = (step - self.mark[1]) / (now - self.mark[0])
         self.mark = (now, step)
         text = f"step {step}/{self.total} " + " ".join(f"{k}={v.item():.3f}" for k, v in losses.items())
-        print(f"\r{text} {rate:.0f} it/s\x1b[K" if self.tty else f"{text} {rate:.0f} it/s",
-              end="\n" if last or not self.tty else "", flush=True)
+        print(
+            f"\r{text} {rate:.0f} it/s\x1b[K" if self.tty else f"{text} {rate:.0f} it/s",
+            end="\n" if last or not self.tty else "",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -210,8 +235,9 @@ def main() -> None:
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args)
     averager = None
     if args.period:
-        averager = Averager(fabric, [gen, disc], period=args.period, warmup_steps=args.warmup_steps,
-                            optimizers=[opt_g, opt_d])
+        averager = Averager(
+            fabric, [gen, disc], period=args.period, warmup_steps=args.warmup_steps, optimizers=[opt_g, opt_d]
+        )
     state: dict[str, Any] = {"gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d, "step": 0, "grad_bytes": 0}
     if averager is not None:
         state["averager"] = averager
@@ -241,8 +267,9 @@ def main() -> None:
             real = sample_real(args.batch_size, data_gen).to(fabric.device)
             z = torch.randn(args.batch_size, z_dim, generator=data_gen).to(fabric.device)
             fake = gen(z)
-            d_loss = (F.binary_cross_entropy_with_logits(disc(real), ones)
-                      + F.binary_cross_entropy_with_logits(disc(fake.detach()), 1 - ones))
+            d_loss = F.binary_cross_entropy_with_logits(disc(real), ones) + F.binary_cross_entropy_with_logits(
+                disc(fake.detach()), 1 - ones
+            )
             fabric.backward(d_loss)
             opt_d.step()
             opt_d.zero_grad()
@@ -284,9 +311,13 @@ def main() -> None:
         result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
     else:
         result = "dataset=digits"
-    print(f"final: steps={args.steps} {result} wall_s={wall:.1f} iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
-          f" comm_bytes={comm} comm_bytes_per_iter={comm / args.steps:.1f}"
-          f" rounds={averager.rounds if averager is not None else 0}", flush=True)
+    print(
+        f"final: steps={args.steps} {result} wall_s={wall:.1f}"
+        f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
+        f" comm_bytes={comm} comm_bytes_per_iter={comm / args.steps:.1f}"
+        f" rounds={averager.rounds if averager is not None else 0}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -48,9 +48,9 @@ def average_models(
         fabric.save("ckpt.pt", {"gen": gen, "disc": disc})  # rank 0's copy is now everyone's
     """
     module_list = _module_list(modules, "average_models")
-    _check_optimizers(optimizers, "average_models")
+    optimizer_list = _check_optimizers(optimizers, "average_models")
     tensors = _averaged_tensors(module_list, average_buffers)
-    return all_reduce_mean_(tensors, process_group) + all_reduce_mean_(_optimizer_state(optimizers), process_group)
+    return all_reduce_mean_(tensors, process_group) + all_reduce_mean_(_optimizer_state(optimizer_list), process_group)
 
 
 def replicas_in_sync(fabric: Fabric, modules: Modules, *, process_group: ProcessGroup = None) -> bool:

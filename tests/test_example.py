@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -47,14 +47,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cmd: list[str], env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LT_")}  # as if typed in a fresh shell
-    return subprocess.run(cmd, cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
 
 
 def train(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") -> Run:
     if launcher == "fabric":
-        cmd = [str(FABRIC), "run", "--accelerator", "cpu", "--devices", str(devices), "--main-port", str(free_port()), SCRIPT]
+        cmd = [
+            str(FABRIC),
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            str(devices),
+            "--main-port",
+            str(free_port()),
+            SCRIPT,
+        ]
     else:  # the script starts its own processes (or runs as one)
         cmd = [sys.executable, SCRIPT] + (["--devices", str(devices), "--accelerator", "cpu"] if devices > 1 else [])
     proc = run(cmd + ["--out", str(out), *flags])
@@ -145,8 +157,17 @@ def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Ru
 
 
 def test_resume_continues_to_the_total_steps(local_sgd_run: Run, tmp_path: Path) -> None:
-    resumed = train(tmp_path, "--steps", "80", "--period", "4", "--warmup-steps", "10",
-                    "--resume", str(local_sgd_run.out / "checkpoint.pt"))
+    resumed = train(
+        tmp_path,
+        "--steps",
+        "80",
+        "--period",
+        "4",
+        "--warmup-steps",
+        "10",
+        "--resume",
+        str(local_sgd_run.out / "checkpoint.pt"),
+    )
     final = resumed.final
     assert final["steps"] == 80
     assert 0 <= final["modes"] <= 8
@@ -202,16 +223,40 @@ def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
 
 
 def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path) -> None:
-    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "20", "--period", "4",
-                "--resume", str(local_sgd_run.out / "checkpoint.pt")])
+    proc = run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "20",
+            "--period",
+            "4",
+            "--resume",
+            str(local_sgd_run.out / "checkpoint.pt"),
+        ]
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "beyond --steps 20" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path) -> None:
     # A synchronous run's checkpoint has no averager state to resume --period from.
-    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "40", "--period", "4",
-                "--resume", str(sync_run.out / "checkpoint.pt")])
+    proc = run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "40",
+            "--period",
+            "4",
+            "--resume",
+            str(sync_run.out / "checkpoint.pt"),
+        ]
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "does not match the flags" in proc.stderr.strip().splitlines()[-1]
 
@@ -226,5 +271,9 @@ def test_digits(tmp_path: Path) -> None:
     proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--dataset", "digits", "--steps", "10"])
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
-    assert re.match(r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ iter_ms_mean=\S+ comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0$", last), last
+    assert re.match(
+        r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ iter_ms_mean=\S+"
+        r" comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0$",
+        last,
+    ), last
     assert (tmp_path / "digits.png").is_file() == HAS_MATPLOTLIB
