@@ -275,10 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         first = next(r for r in rows if r["model"] == model)
         print(f"\n{MODEL_LABELS[model]}: {first['params']:,} parameters in {first['tensors']} tensors.", end="")
     print()
-    csv_path = common.write_csv(args.out / f"{NAME}.csv", rows)
-    common.write_json(
-        args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "elapsed_s": elapsed, "rows": rows}
-    )
+    csv_path = common.write_results(args.out, NAME, info, args, elapsed, rows)
     common.progress(f"done in {elapsed:.0f}s; wrote {csv_path}")
 
 

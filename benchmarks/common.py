@@ -213,6 +213,12 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def write_results(out: Path, name: str, info: dict[str, Any], args: Any, elapsed: float, rows: list[dict]) -> Path:
+    """``<out>/<name>.csv`` (the rows) and ``<out>/<name>.json`` (machine, arguments, rows); returns the CSV."""
+    write_json(out / f"{name}.json", {"machine": info, "args": vars(args), "elapsed_s": elapsed, "rows": rows})
+    return write_csv(out / f"{name}.csv", rows)
+
+
 def pyplot() -> Any | None:
     """matplotlib.pyplot with a file-only backend, or None (with a hint on stderr) when it is missing."""
     try:

@@ -269,10 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         " ms/iter: median over timed iterations (no profiler) of the slowest rank.\n"
     )
     print(table(rows))
-    csv_path = common.write_csv(args.out / f"{NAME}.csv", rows)
-    common.write_json(
-        args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "elapsed_s": elapsed, "rows": rows}
-    )
+    csv_path = common.write_results(args.out, NAME, info, args, elapsed, rows)
     common.progress(f"done in {elapsed:.0f}s; wrote {csv_path}")
 
 

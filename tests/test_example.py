@@ -222,43 +222,32 @@ def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1 and "fabric run" in proc.stderr
 
 
-def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path) -> None:
-    proc = run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--out",
-            str(tmp_path),
-            "--steps",
-            "20",
-            "--period",
-            "4",
-            "--resume",
-            str(local_sgd_run.out / "checkpoint.pt"),
-        ]
-    )
+def resume_refused(checkpoint: Path, steps: int, out: Path) -> str:
+    """Resume ``checkpoint`` with ``--period 4`` up to ``steps``; it must fail with one clean line."""
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--period",
+        "4",
+        "--resume",
+        str(checkpoint),
+    ]
+    proc = run(cmd)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "beyond --steps 20" in proc.stderr.strip().splitlines()[-1]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path) -> None:
+    assert "beyond --steps 20" in resume_refused(local_sgd_run.out / "checkpoint.pt", 20, tmp_path)
 
 
 def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path) -> None:
     # A synchronous run's checkpoint has no averager state to resume --period from.
-    proc = run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--out",
-            str(tmp_path),
-            "--steps",
-            "40",
-            "--period",
-            "4",
-            "--resume",
-            str(sync_run.out / "checkpoint.pt"),
-        ]
-    )
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "does not match the flags" in proc.stderr.strip().splitlines()[-1]
+    assert "does not match the flags" in resume_refused(sync_run.out / "checkpoint.pt", 40, tmp_path)
 
 
 def test_digits(tmp_path: Path) -> None:
