@@ -247,7 +247,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Any) -> None:
+def join_local_world(rank: int, size: int, port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Any:
+    """A launched CPU/gloo ``Fabric`` for rank ``rank`` of a ``size``-process world on 127.0.0.1:``port``.
+
+    Call it in a process that was started externally (spawned); every rank calls it with the same
+    ``size`` and ``port``. A collective that hangs raises after ``timeout_s`` seconds.
+    """
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -256,19 +261,26 @@ def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: tu
         LOCAL_RANK=str(rank),
         NODE_RANK="0",
     )
+    import torch
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
+
+    torch.set_num_threads(1)  # several ranks share the cores; more threads each only contend
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=size,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=timeout_s)),
+    )
+    # LOCAL_RANK etc. are set, so Fabric sees externally created processes and only joins the group.
+    fabric.launch()
+    return fabric
+
+
+def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Any) -> None:
     try:
         import torch
-        from lightning_fabric import Fabric
-        from lightning_fabric.strategies import DDPStrategy
 
-        torch.set_num_threads(1)
-        fabric = Fabric(
-            accelerator="cpu",
-            devices=size,
-            strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
-        )
-        # LOCAL_RANK etc. are set, so Fabric sees externally created processes and only joins the group.
-        fabric.launch()
+        fabric = join_local_world(rank, size, port)
         result = fn(fabric, *args)
         conn.send(("ok", result))
         torch.distributed.destroy_process_group()

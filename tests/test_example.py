@@ -10,7 +10,6 @@ import csv
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+
+from benchmarks.common import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/gan_fabric.py"
@@ -39,12 +40,6 @@ class Run(NamedTuple):
     stdout: str
     stderr: str
     final: dict[str, float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

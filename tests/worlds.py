@@ -10,13 +10,12 @@ every rank's traceback, and the world is replaced so later tests start clean.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
+
+from benchmarks.common import free_port, join_local_world
 
 # A hung collective turns into an error after this long instead of blocking the suite.
 COLLECTIVE_TIMEOUT_S = 60
@@ -31,32 +30,10 @@ class Outcome:
     traceback: str | None = None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, size: int, port: int, conn: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(size),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-    )
     import torch
-    from lightning_fabric import Fabric
-    from lightning_fabric.strategies import DDPStrategy
 
-    torch.set_num_threads(1)
-    fabric = Fabric(
-        accelerator="cpu",
-        devices=size,
-        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
-    )
-    fabric.launch()
+    fabric = join_local_world(rank, size, port, COLLECTIVE_TIMEOUT_S)
     conn.send(Outcome(value="ready"))
     while True:
         task = conn.recv()
