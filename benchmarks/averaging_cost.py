@@ -23,6 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from fabric_multimodel.launch import run_world  # noqa: E402
 
 NAME = "averaging_cost"
 METHODS = ("floor", "floor+div", "ours", "pytorch", "per-tensor")
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for size in args.world_sizes:
         common.progress(f"starting a {size}-process gloo world ({repeats} repeats, {warmup} warm-up)")
-        rows += common.run_world(size, measure_world, list(MODELS), repeats, warmup)[0]
+        rows += run_world(size, measure_world, list(MODELS), repeats, warmup)[0]
     elapsed = common.elapsed()
 
     print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from fabric_multimodel.launch import free_port, stop_process_tree  # noqa: E402
 
 NAME = "averaging_period"
 EXAMPLE = common.REPO / "examples" / "gan_fabric.py"
@@ -154,7 +155,7 @@ def run_once(setting: Setting, args: Any, seed: int, runs_dir: Path) -> dict[str
         if saved.get("command") == cmd and saved.get("final"):
             return _row(setting, seed, Final(**saved["final"]), saved["elapsed_s"], reused=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    actual = [part.replace("{port}", str(common.free_port())) for part in cmd]
+    actual = [part.replace("{port}", str(free_port())) for part in cmd]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.monotonic()
     # Output goes to files, not pipes: a rank process that outlived its launcher would otherwise
@@ -165,12 +166,12 @@ def run_once(setting: Setting, args: Any, seed: int, runs_dir: Path) -> dict[str
         try:
             proc.wait(timeout=args.run_timeout)
         except subprocess.TimeoutExpired:
-            common.stop_process_tree(proc)
+            stop_process_tree(proc)
             raise RuntimeError(
                 f"{setting.key} seed {seed}: timed out after {args.run_timeout} s (logs in {run_dir})"
             ) from None
         except BaseException:  # Ctrl-C: do not leave the ranks running
-            common.stop_process_tree(proc, grace_s=5)
+            stop_process_tree(proc, grace_s=5)
             raise
     stdout, stderr = stdout_path.read_text(), stderr_path.read_text()
     elapsed = time.monotonic() - start

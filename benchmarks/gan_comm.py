@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from fabric_multimodel.launch import run_world  # noqa: E402
 
 NAME = "gan_comm"
 SETTINGS = ("a", "b", "c")
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     info = common.machine_info()
 
     common.progress(f"starting a {ranks}-process gloo world ({iterations} timed iterations per setting)")
-    rows = common.run_world(ranks, measure_world, iterations, args.batch_size, args.lr)[0]
+    rows = run_world(ranks, measure_world, iterations, args.batch_size, args.lr)[0]
     elapsed = common.elapsed()
     g, d, tensors = rows[0]["gen_params"], rows[0]["disc_params"], rows[0]["param_tensors"]
 

@@ -11,14 +11,18 @@ Example::
             averager.step()
 """
 
-from fabric_multimodel.averaging import Averager, average_models, replicas_in_sync
+from fabric_multimodel.averaging import Averager, SyncReport, average_models, replicas_in_sync
 from fabric_multimodel.collectives import Traffic
 from fabric_multimodel.frozen import frozen
 from fabric_multimodel.models import Models, ddp_of, setup_models
+from fabric_multimodel.rounds import AveragingError, NonFiniteError
 
 __all__ = [
     "Averager",
+    "AveragingError",
     "Models",
+    "NonFiniteError",
+    "SyncReport",
     "Traffic",
     "average_models",
     "ddp_of",

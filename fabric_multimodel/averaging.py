@@ -1,16 +1,18 @@
-"""Where averaging happens: one round (`average_models`), a check (`replicas_in_sync`), and the
-post-local SGD schedule (`Averager`)."""
+"""Where averaging happens: the schedule (`Averager`), one round as a function (`average_models`), and a
+check (`replicas_in_sync`). What a round does lives in `rounds.py` (plain averaging) and `outer.py` (DiLoCo)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from lightning_fabric import Fabric
 from lightning_fabric.wrappers import _FabricModule
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from fabric_multimodel.collectives import (
@@ -18,12 +20,15 @@ from fabric_multimodel.collectives import (
     Traffic,
     all_ranks_agree,
     all_reduce_mean_,
+    check_member,
+    describe_disagreement,
     fingerprint,
     group_size,
     tensors_fingerprint,
 )
-from fabric_multimodel.flat import FlatStorage
-from fabric_multimodel.models import ddp_of
+from fabric_multimodel.models import Models, ddp_of
+from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
+from fabric_multimodel.rounds import AveragingError, DeltaRound, MeanRound, NonFiniteError, Round
 
 Modules = nn.Module | Iterable[nn.Module]
 
@@ -35,12 +40,17 @@ def average_models(
     average_buffers: bool = True,
     optimizers: Sequence[Optimizer] = (),
     process_group: ProcessGroup = None,
+    check_finite: bool = True,
 ) -> Traffic:
     """Replace parameters (and floating-point buffers, and the optimizers' floating-point state) by
     their mean across ranks: one averaging round. Call it on every rank.
 
     Parameters are averaged whether or not they require grad or have a ``.grad``: the set is fixed
-    by the modules, never by what the last step touched. Returns the :class:`Traffic` sent.
+    by the modules, never by what the last step touched. With ``check_finite``, a mean that holds
+    NaN or Inf (one rank's NaN reaches every rank) raises :class:`NonFiniteError` on every rank.
+    Returns the :class:`Traffic` sent. There is no ``comm_dtype`` here: without an anchor common to
+    all ranks, a half-precision payload would round the parameters themselves (the
+    :class:`Averager` has one).
 
     Example::
 
@@ -49,53 +59,166 @@ def average_models(
     """
     module_list = _module_list(modules, "average_models")
     optimizer_list = _check_optimizers(optimizers, "average_models")
-    tensors = _averaged_tensors(module_list, average_buffers)
-    return all_reduce_mean_(tensors, process_group) + all_reduce_mean_(_optimizer_state(optimizer_list), process_group)
+    check_member(process_group, "average_models")
+    tensors, names, _ = _averaged_tensors(module_list, average_buffers)
+    traffic = all_reduce_mean_(tensors, process_group)
+    if check_finite and group_size(process_group) > 1:
+        sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors])
+        if not bool(torch.isfinite(sums).all()):
+            bad = [name for name, total in zip(names, sums.tolist()) if total != total or abs(total) == float("inf")]
+            raise NonFiniteError(
+                f"average_models: NaN or Inf in {', '.join(bad)} (on at least one rank); every replica now holds"
+                " them: restore a checkpoint.",
+                bad,
+            )
+    return traffic + all_reduce_mean_(_optimizer_state(optimizer_list), process_group)
 
 
-def replicas_in_sync(fabric: Fabric, modules: Modules, *, process_group: ProcessGroup = None) -> bool:
-    """True when every parameter and buffer is bitwise equal on all ranks. One small allreduce.
+class SyncReport(NamedTuple):
+    """What :func:`replicas_in_sync` found; true when everything it checked is equal and finite.
 
-    Hashes the tensors locally (GPU tensors are copied to host for it), so it is a check for tests
-    and before checkpoints, not for every step.
+    Example::
+
+        report = replicas_in_sync(fabric, [gen, disc])
+        if not report:
+            print(report.explain())
+    """
+
+    parameters_equal: bool
+    buffers_equal: bool
+    finite: bool
+    buffers_checked: bool = True
+
+    def __bool__(self) -> bool:
+        return self.parameters_equal and self.finite and (self.buffers_equal or not self.buffers_checked)
+
+    def explain(self) -> str:
+        """One sentence on what differs (or that nothing does)."""
+        problems = []
+        if not self.finite:
+            problems.append("some replica holds NaN or Inf")
+        if not self.parameters_equal:
+            problems.append("parameters differ across ranks")
+        if not self.buffers_equal:
+            problems.append(
+                "buffers differ across ranks"
+                + ("" if self.buffers_checked else " (not counted: buffers=False)")
+                + " (BatchNorm running statistics stay rank-local under synchronous DDP until they are averaged)"
+            )
+        return "; ".join(problems) or "replicas are identical and finite"
+
+
+def replicas_in_sync(
+    fabric: Fabric, modules: Modules, *, process_group: ProcessGroup = None, buffers: bool = True
+) -> SyncReport:
+    """Whether every parameter (and buffer) is bitwise equal on all ranks and finite. One small allreduce.
+
+    Returns a :class:`SyncReport`, true when all is equal and finite, that tells parameters and
+    buffers apart: synchronous DDP keeps parameters identical but leaves BatchNorm running
+    statistics rank-local, so ``buffers=False`` leaves them out of the verdict (they are still
+    reported). NaN or Inf anywhere makes it false even where every rank holds the same NaN. Hashes
+    the tensors locally (GPU tensors are copied to host), so it is a check for tests and before
+    checkpoints, not for every step.
 
     Example::
 
         averager.sync()
         assert replicas_in_sync(fabric, [gen, disc])
+        assert replicas_in_sync(fabric, [gen], buffers=False)  # under synchronous DDP with BatchNorm
     """
     module_list = _module_list(modules, "replicas_in_sync")
-    tensors = [
-        *_unique(p for m in module_list for p in m.parameters()),
-        *_unique(b for m in module_list for b in m.buffers()),
-    ]
-    return all_ranks_agree(tensors_fingerprint(tensors), fabric.device, process_group)
+    check_member(process_group, "replicas_in_sync")
+    params = _unique(p for m in module_list for p in m.parameters())
+    buffer_list = _unique(b for m in module_list for b in m.buffers())
+    finite = all(bool(torch.isfinite(t).all()) for t in [*params, *buffer_list] if t.is_floating_point())
+    local = [tensors_fingerprint(params), tensors_fingerprint(buffer_list), int(not finite)]
+    if group_size(process_group) == 1:
+        return SyncReport(True, True, finite, buffers)
+    # MAX over (v, -v) pairs gives (max, -min) of each value in one call: equal iff max == min.
+    pairs = torch.tensor([v for value in local for v in (value, -value)], dtype=torch.int64, device=fabric.device)
+    dist.all_reduce(pairs, op=dist.ReduceOp.MAX, group=process_group)
+    top, bottom = pairs[0::2].tolist(), (-pairs[1::2]).tolist()
+    return SyncReport(top[0] == bottom[0], top[1] == bottom[1], top[2] == 0, buffers)
 
 
 class Averager:
-    """Post-local SGD for the modules of a Fabric loop, driven by one explicit ``step()`` per iteration.
+    """Model averaging for the modules of a Fabric loop, driven by one explicit ``step()`` per iteration.
+
+    The Averager is the *schedule*; what a round does depends on the options:
+
+    - plain averaging (default): each round replaces every replica by the mean (post-local SGD);
+    - ``outer_optimizer``: DiLoCo. A round averages the pseudo-gradient ``anchor - param``, takes one
+      outer-optimizer step from the anchor with it, and sets every replica (and the anchor) to the result;
+    - ``comm_dtype``: what is sent, e.g. ``torch.bfloat16`` for half the bytes. The payload is then
+      ``anchor - param`` (plain averaging too), applied in the parameters' own dtype;
+    - ``overlap_steps=k``: a round's allreduce is launched at its step and merged ``k`` steps later,
+      keeping the local progress made meanwhile (see below).
+
+    The schedule:
 
     - ``step()`` calls 1..``warmup_steps``: ordinary synchronous DDP, gradients allreduced every step.
     - After that, inside the block: local steps with **no** collective in forward or backward (no
-      gradient allreduce, no DDP buffer broadcast), and an averaging round of parameters (plus
-      floating-point buffers when ``average_buffers``, plus the floating-point state of
-      ``optimizers``) when ``(steps - warmup_steps) % period == 0``.
-    - Leaving the block averages if any local step happened since the last round, so every replica
-      leaves identical. Leaving by exception issues no collective (it must not hang).
+      gradient allreduce, no DDP buffer broadcast), and a round of parameters (plus floating-point
+      buffers when ``average_buffers``, plus the floating-point state of ``optimizers``) when
+      ``(steps - warmup_steps) % period == 0``.
+    - Leaving the block: one small allreduce checks that every rank called ``step()`` equally
+      often, then a round if any local step happened since the last one, so every replica leaves
+      identical. Leaving by exception issues no new collective; a round in flight is waited for
+      (every rank issued it) and discarded, and each replica keeps its own parameters.
 
     The schedule counts ``step()`` calls, never optimizer steps, so a GAN's two optimizers or a
-    GradScaler that skips a step cannot make ranks disagree on when to average. Parameters and
-    averaged buffers are moved into flat buffers at construction (they stay the same objects), so
-    a round is one in-place allreduce per dtype.
+    GradScaler that skips a step cannot make ranks disagree on when to average. Every round's
+    payload carries each rank's ``step()`` count: ranks whose schedules drifted apart (a
+    ``step()`` skipped or doubled on one rank) get an :class:`AveragingError` on every rank at the
+    next ``sync()`` or at the end of the block. With ``check_finite``, a round whose payload holds
+    NaN or Inf on any rank raises :class:`NonFiniteError` on every rank; anchored rounds (DiLoCo,
+    ``comm_dtype``) first put the parameters back at the anchor, plain averaging has already
+    spread the values. A peer that died or cannot be reached makes the round raise
+    :class:`AveragingError` naming the round and step (after the process group's timeout at the
+    latest: set it with ``DDPStrategy(timeout=...)``).
+
+    DiLoCo: the *anchor* is where the parameters were after the previous round (or at the end of
+    warm-up, or after ``load_state_dict``). ``outer_optimizer`` is called once with the anchor's
+    copies of the averaged parameters (same shapes and order as the modules' parameters) and must
+    return an optimizer over exactly those, so your ``param.grad`` is never touched. Floating-point
+    buffers are averaged, not stepped; ``optimizers`` (the inner optimizers' state) stays an
+    independent option. ``sync()`` under DiLoCo is an outer step taken now (a round ahead of
+    schedule); during warm-up, rounds are plain means and the outer optimizer does not step.
+    Memory: one anchor copy of the averaged tensors, the outer optimizer's state (SGD momentum: one
+    more copy), and a send buffer in ``comm_dtype`` when that differs from the parameters' dtype;
+    nothing in a round is allocated in proportion to the model, except what the outer optimizer's
+    own ``step()`` allocates (PyTorch's for-loop SGD makes a temporary per tensor with Nesterov;
+    ``foreach=True`` avoids that).
+
+    Overlap (``overlap_steps=k``, ``1 <= k < period``): at a round's step, ``step()`` copies the
+    parameters into a snapshot ``s`` and what the round sends (the parameters, or ``anchor - s``)
+    into the send buffer, starts the allreduce and returns. ``k`` ``step()`` calls later it waits
+    and merges: plain averaging ``param <- mean(s) + (param - s)``, computed as
+    ``(param - s) + mean(s)``; DiLoCo takes the outer step from the anchor with the delayed mean
+    pseudo-gradient, then ``param <- anchor + (param - s)``. ``sync()``, ``state_dict()`` and leaving
+    the block finish a round in flight first (and ``sync()`` then averages, so replicas are
+    identical). It costs a snapshot and a send buffer (each one copy of the averaged tensors,
+    allocated once); ``optimizers`` cannot be combined with it (their state would need a
+    snapshot of its own). ``traffic``, ``rounds`` and the schedule count a round at its launch.
+
+    Checkpoints: ``state_dict()`` holds the counters and, for anchored rounds, the anchor and the
+    outer optimizer's state, so ``fabric.save`` right after a round (or after ``sync()``) and
+    ``fabric.load`` resume bitwise. A checkpoint taken in the middle of a period holds rank 0's
+    local parameters (the other ranks' progress since the last round is not in it).
 
     Args:
         fabric: the launched Fabric.
         modules: a module, an iterable of modules, or the :class:`Models` of :func:`setup_models`.
         period: average every ``period`` steps after warm-up.
-        warmup_steps: synchronous steps before local SGD begins.
+        warmup_steps: synchronous steps before local steps begin.
         average_buffers: also average floating-point buffers (BatchNorm running statistics).
         optimizers: optimizers whose floating-point state (momentum, Adam moments) is averaged too.
         process_group: the group to average over; the default group when None.
+        outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
+        comm_dtype: the floating dtype of the payload; None sends the parameters' own dtype.
+        overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch.
+        check_finite: raise on every rank when a round's payload holds NaN or Inf (one extra read
+            of the payload per round).
 
     Example::
 
@@ -103,6 +226,10 @@ class Averager:
             for real in loader:
                 ...  # D step, G step, optimizer steps
                 averager.step()
+
+        diloco = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        with Averager(fabric, model, period=128, outer_optimizer=diloco, comm_dtype=torch.bfloat16) as averager:
+            ...
     """
 
     def __init__(
@@ -115,13 +242,39 @@ class Averager:
         average_buffers: bool = True,
         optimizers: Sequence[Optimizer] = (),
         process_group: ProcessGroup = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
+        comm_dtype: torch.dtype | None = None,
+        overlap_steps: int = 0,
+        check_finite: bool = True,
     ) -> None:
         _check_int("period", period, minimum=1)
         _check_int("warmup_steps", warmup_steps, minimum=0)
-        if not isinstance(average_buffers, bool):
-            raise TypeError(f"Averager: `average_buffers` must be True or False, got {average_buffers!r}.")
+        _check_int("overlap_steps", overlap_steps, minimum=0)
+        for name, flag in [("average_buffers", average_buffers), ("check_finite", check_finite)]:
+            if not isinstance(flag, bool):
+                raise TypeError(f"Averager: `{name}` must be True or False, got {flag!r}.")
+        if overlap_steps >= period:
+            raise ValueError(
+                f"Averager: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
+                " round is merged before the next one starts."
+            )
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise TypeError(
+                f"Averager: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None; got {comm_dtype!r}."
+            )
+        if isinstance(outer_optimizer, Optimizer):
+            raise TypeError(
+                "Averager: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
+                " given, not an optimizer: e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+            )
         module_list = _module_list(modules, "Averager")
         optimizers = _check_optimizers(optimizers, "Averager")
+        if overlap_steps and optimizers:
+            raise ValueError(
+                "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
+                " stays local, as in DiLoCo, when `optimizers` is empty)."
+            )
+        check_member(process_group, "Averager")
         if group_size(process_group) > 1:
             for module in module_list:
                 if not (isinstance(module, _FabricModule) or ddp_of(module) is not None):
@@ -134,27 +287,50 @@ class Averager:
         self.average_buffers = average_buffers
         self.optimizers = list(optimizers)
         self.process_group = process_group
+        self.overlap_steps = overlap_steps
         #: ``step()`` calls so far.
         self.steps = 0
-        #: Averaging rounds done (by ``step()``, ``sync()`` or leaving the block).
+        #: Averaging rounds done (by ``step()``, ``sync()`` or leaving the block), counted at launch.
         self.rounds = 0
         #: Elements and bytes this averager sent in its rounds (per rank).
         self.traffic = Traffic()
+        self._device = fabric.device
         self._synced_at_step = 0
+        self._launched_at: int | None = None
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
         self._ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
 
-        tensors = _averaged_tensors(module_list, average_buffers)
-        layout = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-        agreed = fingerprint(repr((layout, period, warmup_steps, average_buffers, len(self.optimizers))))
-        if not all_ranks_agree(agreed, fabric.device, process_group):
-            raise ValueError(
-                "Averager: the modules' parameter shapes/dtypes, or the arguments period, warmup_steps,"
-                " average_buffers and optimizers, differ across ranks; build the same models and Averager on"
-                " every rank."
+        tensors, names, n_params = _averaged_tensors(module_list, average_buffers, _model_names(modules))
+        self._has_buffers = len(tensors) > n_params
+        self._round: Round
+        if outer_optimizer is not None:
+            self._round = OuterRound(
+                tensors,
+                names,
+                n_params,
+                process_group,
+                outer_optimizer=outer_optimizer,
+                comm_dtype=comm_dtype,
+                overlap=overlap_steps > 0,
+                check_finite=check_finite,
             )
-        self._storage = FlatStorage(tensors)
-        self._has_buffers = any(not isinstance(t, nn.Parameter) for t in tensors)
+        elif comm_dtype is not None:
+            self._round = DeltaRound(
+                tensors, names, n_params, process_group, comm_dtype=comm_dtype, overlap=overlap_steps > 0, check_finite=check_finite
+            )
+        else:
+            self._round = MeanRound(tensors, names, process_group, overlap=overlap_steps > 0, check_finite=check_finite)
+        layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
+        settings = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
+        problem = describe_disagreement(
+            repr((layout, settings, str(comm_dtype), overlap_steps, check_finite)), fabric.device, process_group
+        )
+        if problem:
+            raise ValueError(
+                "Averager: the modules' parameters (names, shapes, dtypes) or the arguments (period, warmup_steps,"
+                " average_buffers, optimizers, outer_optimizer, comm_dtype, overlap_steps, check_finite) differ"
+                f" across ranks; build the same models and Averager on every rank. {_shorten(problem)}"
+            )
 
     def __enter__(self) -> Averager:
         if self._ddp_settings is not None:
@@ -170,8 +346,12 @@ class Averager:
         traceback: TracebackType | None,
     ) -> None:
         try:
-            if exc_type is None and self.steps > self._synced_at_step:
-                self.sync()
+            if exc_type is not None:
+                self._discard_pending()
+            else:
+                self._finish_pending()
+                if self._check_schedule_on_exit():
+                    self._round_now(blocking=True)
         finally:
             for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
                 ddp.require_backward_grad_sync = grad_sync
@@ -190,9 +370,10 @@ class Averager:
         return self.steps >= self.warmup_steps
 
     def step(self) -> bool:
-        """Count one iteration and average when the schedule says so; True when this call averaged.
+        """Count one iteration and average when the schedule says so; True when this call started a round.
 
-        Call it exactly once per iteration, after the optimizer steps, on every rank.
+        Call it exactly once per iteration, after the optimizer steps, on every rank. With
+        ``overlap_steps``, it also merges the round launched ``overlap_steps`` calls earlier.
 
         Example::
 
@@ -203,6 +384,8 @@ class Averager:
         if self._ddp_settings is None:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
+        if self._launched_at is not None and self.steps - self._launched_at >= self.overlap_steps:
+            self._finish_pending()
         if self.steps <= self.warmup_steps:
             # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
             # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
@@ -210,61 +393,182 @@ class Averager:
                 self._synced_at_step = self.steps
             if self.steps == self.warmup_steps:
                 self._apply_phase()
+                if isinstance(self._round, DeltaRound):
+                    self._round.reset_anchor()
             return False
         if (self.steps - self.warmup_steps) % self.period:
             return False
-        self.sync()
+        self._round_now(blocking=self.overlap_steps == 0)
         return True
 
     def sync(self) -> None:
-        """Average now, on every rank (before evaluation or a checkpoint).
+        """Average now, on every rank (before evaluation or a checkpoint); replicas are identical after it.
+
+        A round in flight is finished first. Under DiLoCo this is an outer step taken now.
 
         Example::
 
             averager.sync()
             fabric.save("ckpt.pt", {"gen": gen, "opt_g": opt_g, "averager": averager})
         """
-        if not self._storage.intact():
-            raise RuntimeError(
-                "Averager: a parameter or buffer was given new storage after the Averager was built (for"
-                " example by `.to()` or `param.data = ...`); move models before building the Averager."
-            )
-        self.traffic += all_reduce_mean_(self._storage.buffers, self.process_group)
-        self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
-        self.rounds += 1
-        self._synced_at_step = self.steps
+        self._finish_pending()
+        self._round_now(blocking=True)
 
-    def state_dict(self) -> dict[str, int]:
-        """The schedule's counters, as plain ints, for ``fabric.save``.
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's counters (plain ints) and, for anchored rounds, the anchor and outer optimizer.
+
+        A round in flight is finished first, so a checkpoint never holds half a round.
 
         Example::
 
             fabric.save("ckpt.pt", {"averager": averager, "gen": gen})
         """
-        return {
+        self._finish_pending()
+        state: dict[str, Any] = {
             "steps": self.steps,
             "rounds": self.rounds,
             "synced_at_step": self._synced_at_step,
             "elements_communicated": self.traffic.elements,
             "bytes_communicated": self.traffic.bytes,
         }
+        if isinstance(self._round, DeltaRound):
+            state.update(self._round.state_dict())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume the schedule from :meth:`state_dict` (``fabric.load`` calls it).
+        """Resume the schedule (and the anchor, the outer optimizer) from :meth:`state_dict`.
+
+        ``fabric.load`` calls it. Counters that are not whole numbers, are negative or contradict
+        each other are a ``ValueError``, nothing is changed then.
 
         Example::
 
             fabric.load("ckpt.pt", {"averager": averager, "gen": gen})
         """
-        missing = {"steps", "rounds", "synced_at_step", "elements_communicated", "bytes_communicated"} - set(state_dict)
+        counters = ("steps", "rounds", "synced_at_step", "elements_communicated", "bytes_communicated")
+        missing = set(counters) - set(state_dict)
+        if isinstance(self._round, DeltaRound):
+            missing |= {"anchor"} - set(state_dict)
+        if isinstance(self._round, OuterRound):
+            missing |= {"outer_optimizer"} - set(state_dict)
         if missing:
             raise KeyError(f"Averager.load_state_dict: the state is missing {sorted(missing)}.")
-        self.steps = int(state_dict["steps"])
-        self.rounds = int(state_dict["rounds"])
-        self._synced_at_step = int(state_dict["synced_at_step"])
-        self.traffic = Traffic(int(state_dict["elements_communicated"]), int(state_dict["bytes_communicated"]))
+        values = {}
+        for name in counters:
+            value = state_dict[name]
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Averager.load_state_dict: `{name}` must be a whole number >= 0, got {value!r}.")
+            values[name] = value
+        if values["synced_at_step"] > values["steps"]:
+            raise ValueError(
+                f"Averager.load_state_dict: `synced_at_step` ({values['synced_at_step']}) is beyond `steps`"
+                f" ({values['steps']}); the state is corrupt."
+            )
+        if values["bytes_communicated"] < values["elements_communicated"]:
+            raise ValueError("Averager.load_state_dict: fewer bytes than elements communicated; the state is corrupt.")
+        if isinstance(self._round, DeltaRound):
+            try:
+                self._round.load_state_dict(state_dict)
+            except ValueError as error:
+                raise ValueError(f"Averager.load_state_dict: {error}") from None
+        self.steps = values["steps"]
+        self.rounds = values["rounds"]
+        self._synced_at_step = values["synced_at_step"]
+        self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
         if self._ddp_settings is not None:
             self._apply_phase()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _round_now(self, *, blocking: bool) -> None:
+        if not self._round.storage.intact():
+            raise RuntimeError(
+                "Averager: a parameter or buffer was given new storage after the Averager was built (for"
+                " example by `.to()` or `param.data = ...`); move models before building the Averager."
+            )
+        label = f"averaging round {self.rounds + 1} at step {self.steps}"
+        self._round.launch(
+            steps=self.steps, layout=self._optimizer_layout()[0], label=label, blocking=blocking, outer=self.steps > self.warmup_steps
+        )
+        self.traffic += self._round.traffic
+        self.rounds += 1
+        if blocking:
+            self._check_headers(self._round.finish(), label)
+            self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
+            self._synced_at_step = self.steps
+        else:
+            self._launched_at = self.steps
+
+    def _finish_pending(self) -> None:
+        if self._launched_at is None:
+            return
+        label = f"averaging round {self.rounds} (launched at step {self._launched_at})"
+        self._launched_at = None
+        self._check_headers(self._round.finish(), label)
+
+    def _discard_pending(self) -> None:
+        if self._launched_at is not None:
+            self._launched_at = None
+            self._round.discard()
+
+    def _check_headers(self, rows: list[tuple[int, int]], label: str) -> None:
+        if not rows:
+            return
+        ranks = _group_ranks(self.process_group, len(rows))
+        mine = rows[_position(self.process_group)]
+        for rank, (their_steps, their_layout) in zip(ranks, rows):
+            if their_steps != mine[0]:
+                raise AveragingError(
+                    f"{label}: averager.step() was called {self.steps} times on this rank but"
+                    f" {_unwrap_steps(their_steps, self.steps)} times on rank {rank}; call it exactly once per"
+                    " iteration, on every rank."
+                )
+        if any(layout != mine[1] for _, layout in rows):
+            problem = describe_disagreement(self._optimizer_layout()[1], self._device, self.process_group)
+            raise AveragingError(
+                f"{label}: the optimizers' state differs across ranks (build the same optimizer types and options,"
+                f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
+            )
+
+    def _check_schedule_on_exit(self) -> bool:
+        """Check that every rank called step() equally often; True when any rank has local steps to average."""
+        world = group_size(self.process_group)
+        if world == 1:
+            return self.steps > self._synced_at_step
+        mine = torch.tensor([self.steps, self.steps > self._synced_at_step], dtype=torch.int64, device=self._device)
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        try:
+            dist.all_gather(everyone, mine, group=self.process_group)
+        except RuntimeError as error:
+            raise AveragingError(
+                f"leaving the Averager at step {self.steps} failed: a peer exited or is unreachable"
+                f" ({type(error).__name__}: {str(error).splitlines()[0]})"
+            ) from error
+        counts = [int(t[0]) for t in everyone]
+        for rank, count in zip(_group_ranks(self.process_group, world), counts):
+            if count != self.steps:
+                raise AveragingError(
+                    f"leaving the Averager: averager.step() was called {self.steps} times on this rank but {count}"
+                    f" times on rank {rank}; call it exactly once per iteration, on every rank."
+                )
+        return any(int(t[1]) for t in everyone)
+
+    def _optimizer_layout(self) -> tuple[int, str]:
+        if not self.optimizers:
+            return 0, ""
+        description = repr(
+            [
+                (i, key, tuple(value.shape), str(value.dtype))
+                for opt in self.optimizers
+                for group in opt.param_groups
+                for i, p in enumerate(group["params"])
+                for key, value in sorted(opt.state.get(p, {}).items())
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+            ]
+        )
+        return fingerprint(description) & 0xFFFF, description
 
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
@@ -303,6 +607,10 @@ def _module_list(modules: Any, caller: str) -> list[nn.Module]:
     return module_list
 
 
+def _model_names(modules: Any) -> list[str] | None:
+    return list(modules._fields) if isinstance(modules, Models) else None
+
+
 def _check_optimizers(optimizers: Any, caller: str) -> list[Optimizer]:
     if isinstance(optimizers, Optimizer) or not isinstance(optimizers, Iterable):
         raise TypeError(f"{caller}: `optimizers` must be a list of optimizers, e.g. optimizers=[opt_g, opt_d].")
@@ -319,11 +627,30 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
 
 
-def _averaged_tensors(modules: Sequence[nn.Module], average_buffers: bool) -> list[torch.Tensor]:
-    tensors = _unique(p for m in modules for p in m.parameters())
-    if average_buffers:
-        tensors += _unique(b for m in modules for b in m.buffers() if b.is_floating_point())
-    return tensors
+def _plain(module: nn.Module) -> nn.Module:
+    """The user's module under Fabric's and DDP's wrappers (for readable tensor names)."""
+    if isinstance(module, _FabricModule):
+        module = module._original_module
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _averaged_tensors(
+    modules: Sequence[nn.Module], average_buffers: bool, model_names: Sequence[str] | None = None
+) -> tuple[list[torch.Tensor], list[str], int]:
+    """The tensors a round averages, their names (``model.layer.weight``), and how many are parameters (first)."""
+    prefixes = model_names or ([""] if len(modules) == 1 else [f"modules[{i}]" for i in range(len(modules))])
+    seen: dict[int, tuple[torch.Tensor, str]] = {}
+    for kind in ("parameters", "buffers"):
+        for module, prefix in zip(modules, prefixes):
+            named = getattr(_plain(module), f"named_{kind}")()
+            for name, t in named:
+                if kind == "buffers" and not (average_buffers and t.is_floating_point()):
+                    continue
+                seen.setdefault(id(t), (t, f"{prefix}.{name}" if prefix else name))
+        if kind == "parameters":
+            n_params = len(seen)
+    tensors, names = zip(*seen.values()) if seen else ((), ())
+    return list(tensors), list(names), n_params
 
 
 def _optimizer_state(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
@@ -336,3 +663,23 @@ def _optimizer_state(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
         for key, value in sorted(opt.state.get(p, {}).items())
         if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
     ]
+
+
+def _group_ranks(group: ProcessGroup, world: int) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(world))
+
+
+def _position(group: ProcessGroup) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _unwrap_steps(digits: int, near: int) -> int:
+    """The full count whose low 32 bits are ``digits``, nearest to ``near`` (the header keeps 32 bits)."""
+    base = near - (near % 2**32)
+    candidates = [base - 2**32 + digits, base + digits, base + 2**32 + digits]
+    return min(candidates, key=lambda c: abs(c - near))
+
+
+def _shorten(text: str, limit: int = 600) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+

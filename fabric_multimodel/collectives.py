@@ -33,6 +33,36 @@ def group_size(group: ProcessGroup = None) -> int:
     return dist.get_world_size(group)
 
 
+def group_rank(group: ProcessGroup = None) -> int:
+    """This process's rank inside ``group`` (the default group when None); 0 without torch.distributed.
+
+    Example::
+
+        if group_rank(node_group) == 0:
+            print("first process of this node")
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def check_member(group: ProcessGroup, caller: str) -> None:
+    """Raise on this rank, before any collective, when it is not a member of ``group``.
+
+    Example::
+
+        check_member(process_group, "Averager")
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_rank() not in dist.get_process_group_ranks(group):
+        raise ValueError(
+            f"{caller}: `process_group` does not contain this rank ({dist.get_rank()}); its ranks are"
+            f" {dist.get_process_group_ranks(group)}. Pass each rank a group it belongs to (for example the"
+            " one `torch.distributed.new_subgroups` returns on that rank)."
+        )
+
+
 class Traffic(NamedTuple):
     """What a collective call sent: elements and bytes per rank (before any transport overhead)."""
 
@@ -119,6 +149,30 @@ def all_ranks_agree(value: int, device: torch.device, group: ProcessGroup = None
     pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
     return bool(pair[0] == -pair[1])
+
+
+def describe_disagreement(description: str, device: torch.device, group: ProcessGroup = None) -> str | None:
+    """None when every rank of ``group`` passed the same ``description``; else which ranks differ and how.
+
+    One small allreduce when the ranks agree; when they do not (every rank learns that at once),
+    one more collective gathers the descriptions, so the error can say what differs.
+
+    Example::
+
+        problem = describe_disagreement(repr(model_names), fabric.device)
+        if problem:
+            raise ValueError(f"models differ across ranks: {problem}")
+    """
+    if all_ranks_agree(fingerprint(description), device, group):
+        return None
+    descriptions: list[str] = [""] * group_size(group)
+    dist.all_gather_object(descriptions, description, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(descriptions)))
+    first = descriptions[0]
+    return "; ".join(
+        [f"rank {ranks[0]}: {first}"]
+        + [f"rank {rank}: {text}" for rank, text in zip(ranks[1:], descriptions[1:]) if text != first]
+    )
 
 
 def fingerprint(data: bytes | str) -> int:

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from benchmarks.common import free_port
+from fabric_multimodel.launch import free_port
+from fabric_multimodel.rounds import Header
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/gan_fabric.py"
@@ -77,6 +78,12 @@ def train(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") ->
 def model_bytes(checkpoint: dict) -> int:
     """Bytes of the generator's and discriminator's parameters (what one synchronous iteration allreduces)."""
     return sum(t.numel() * t.element_size() for name in ("gen", "disc") for t in checkpoint[name].values())
+
+
+def round_bytes(params: int, world: int) -> int:
+    """Bytes a rank sends in one of the example's rounds: parameters, Adam's two moments, and the
+    round's header (each rank's step count, in fp32 slots)."""
+    return 3 * params + 4 * Header.SLOTS * world
 
 
 def expected_rounds(start: int, end: int, warmup: int, period: int) -> int:
@@ -146,8 +153,8 @@ def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Ru
     checkpoint = torch.load(local_sgd_run.out / "checkpoint.pt", weights_only=True)
     assert checkpoint["averager"]["steps"] == 40 and checkpoint["averager"]["rounds"] == final["rounds"]
     params = model_bytes(checkpoint)
-    # Warm-up: gradients every step. A round: parameters plus Adam's two moments.
-    assert final["comm"] == 10 * params + final["rounds"] * 3 * params
+    # Warm-up: gradients every step. A round: parameters plus Adam's two moments, plus the header.
+    assert final["comm"] == 10 * params + final["rounds"] * round_bytes(params, world=4)
     assert final["per_iter"] < sync_run.final["per_iter"]
 
 
@@ -172,7 +179,7 @@ def test_resume_continues_to_the_total_steps(local_sgd_run: Run, tmp_path: Path)
     assert more == 11
     assert final["rounds"] == local_sgd_run.final["rounds"] + more
     params = model_bytes(torch.load(resumed.out / "checkpoint.pt", weights_only=True))
-    assert final["comm"] == local_sgd_run.final["comm"] + more * 3 * params
+    assert final["comm"] == local_sgd_run.final["comm"] + more * round_bytes(params, world=4)
     assert torch.load(resumed.out / "checkpoint.pt", weights_only=True)["step"] == 80
 
 

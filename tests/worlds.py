@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import free_port, join_local_world
+from fabric_multimodel.launch import free_port, join_local_world, shutdown
 
 # A hung collective turns into an error after this long instead of blocking the suite.
 COLLECTIVE_TIMEOUT_S = 60
@@ -31,8 +31,6 @@ class Outcome:
 
 
 def _worker(rank: int, size: int, port: int, conn: Any) -> None:
-    import torch
-
     fabric = join_local_world(rank, size, port, COLLECTIVE_TIMEOUT_S)
     conn.send(Outcome(value="ready"))
     while True:
@@ -44,7 +42,8 @@ def _worker(rank: int, size: int, port: int, conn: Any) -> None:
             conn.send(Outcome(value=fn(fabric, *args)))
         except BaseException as exc:  # report everything, including assertion failures, to the parent
             conn.send(Outcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()))
-    torch.distributed.destroy_process_group()
+    del fabric
+    shutdown()
 
 
 class World:

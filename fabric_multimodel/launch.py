@@ -1,0 +1,222 @@
+"""Starting, joining and ending process worlds: what scripts, tests and benchmarks share.
+
+- :func:`join_local_world` and :func:`run_world` make a CPU/gloo world of N processes on
+  127.0.0.1, each with a launched Fabric (tests, benchmarks, quick experiments).
+- :func:`shutdown` ends a process's part in a world so that the interpreter exits cleanly.
+- :func:`stop_process_tree` ends a launcher (``fabric run``) and every rank it started.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+#: A collective that hangs in a world made here becomes an error after this many seconds.
+COLLECTIVE_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, on 127.0.0.1.
+
+    Example::
+
+        port = free_port()  # for MASTER_PORT or `fabric run --main-port`
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_local_world(rank: int, size: int, port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Any:
+    """A launched CPU/gloo ``Fabric`` for rank ``rank`` of a ``size``-process world on 127.0.0.1:``port``.
+
+    Call it in a process that was started externally (spawned); every rank calls it with the same
+    ``size`` and ``port``. A collective that hangs raises after ``timeout_s`` seconds. Each rank
+    uses one intra-op thread, since the ranks share the machine's cores.
+
+    Example::
+
+        fabric = join_local_world(rank, 2, port)   # in each of two spawned processes
+    """
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    import torch
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
+
+    torch.set_num_threads(1)
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=size,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=timeout_s)),
+    )
+    # LOCAL_RANK etc. are set, so Fabric sees externally created processes and only joins the group.
+    fabric.launch()
+    return fabric
+
+
+def shutdown() -> None:
+    """Leave the process group so that the interpreter exits cleanly; call it last, on every rank.
+
+    A gloo worker thread that still holds a finished collective's tensors while Python finalises
+    can abort the process (``terminate called without an active exception``) after a run that
+    succeeded. Call this once the objects that hold the process group are gone (the models from
+    :func:`setup_models`, their optimizers, the :class:`Averager`): it collects them and destroys
+    the group, which joins those threads while Python is still whole. The simplest way is to
+    train inside a function and call ``shutdown()`` after it returns.
+
+    Example::
+
+        def main():
+            fabric = Fabric(...); fabric.launch()
+            train(fabric)   # models, optimizers and the Averager live and die in here
+            shutdown()
+    """
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Any) -> None:
+    try:
+        fabric = join_local_world(rank, size, port)
+        result = fn(fabric, *args)
+        conn.send(("ok", result))
+        del fabric
+        shutdown()
+    except BaseException as exc:  # report everything to the parent, then exit non-zero
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+
+
+def run_world(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 3600.0) -> list[Any]:
+    """Run ``fn(fabric, *args)`` on every rank of a fresh ``size``-process gloo world on 127.0.0.1.
+
+    Each rank has a launched Fabric from :func:`join_local_world`. ``fn`` must be a module-level
+    function and its result picklable. Returns the ranks' results in rank order; raises with the
+    failing ranks' tracebacks, or after ``timeout`` seconds (killing the processes it started).
+
+    Example::
+
+        def total(fabric, x):
+            return fabric.all_reduce(torch.tensor(x), reduce_op="sum").item()
+
+        assert run_world(2, total, 1.0) == [2.0, 2.0]
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    conns, procs = [], []
+    for rank in range(size):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_rank_main, args=(rank, size, port, fn, args, child), daemon=True)
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    deadline = time.monotonic() + timeout
+    results: list[Any] = [None] * size
+    errors: dict[int, str] = {}
+    pending = dict(enumerate(conns))
+    clean = False
+    try:
+        # Wait on all ranks at once, so the first failure anywhere is reported at once (the other
+        # ranks may be blocked in a collective with the rank that failed).
+        while pending and not errors:
+            if time.monotonic() > deadline:
+                errors.update({rank: f"no result after {timeout:.0f} s (timed out)" for rank in pending})
+                break
+            for conn in mp_connection.wait(list(pending.values()), timeout=1.0):
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    status, value = "error", f"exited with code {procs[rank].exitcode} without a result"
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    errors[rank] = value
+        clean = not errors
+    finally:
+        for proc in procs:
+            proc.join(timeout=30 if clean else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        report = "\n".join(f"--- rank {rank}: {message}" for rank, message in sorted(errors.items()))
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in a {size}-process world:\n{report}")
+    return results
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids of every descendant of ``pid`` (Linux /proc; empty elsewhere).
+
+    Example::
+
+        children = descendants(os.getpid())
+    """
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The parent pid is the 2nd field after the ")" that closes the command name.
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def stop_process_tree(proc: Any, grace_s: float = 15.0) -> None:
+    """End ``proc`` (a ``subprocess.Popen``) and every process it started, even those in their own sessions.
+
+    ``fabric run`` starts its ranks through torch elastic, which puts each in a new session; killing
+    only the launcher would leave them running (and holding our pipes). First SIGTERM to the launcher,
+    which makes torch elastic stop its workers, then SIGKILL whatever of the tree is still alive.
+
+    Example::
+
+        proc = subprocess.Popen(["fabric", "run", "--devices", "2", "train.py"])
+        try:
+            proc.wait(timeout=600)
+        finally:
+            stop_process_tree(proc)
+    """
+    tree = descendants(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except Exception:  # subprocess.TimeoutExpired
+            pass
+    for pid in [proc.pid, *tree, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()

@@ -1,0 +1,94 @@
+"""DiLoCo's outer step: the anchor moves by an optimizer step on the mean pseudo-gradient.
+
+``OuterRound`` is a :class:`~fabric_multimodel.rounds.DeltaRound` whose anchor is not simply
+moved by the mean pseudo-gradient but stepped by an *outer optimizer* (DiLoCo: SGD with lr 0.7,
+momentum 0.9, Nesterov), for which that mean is the gradient. The optimizer is built once by the
+user's factory over the anchor's copies of the parameters, so the model's own ``param.grad`` is
+never touched. SGD with lr 1 and no momentum is plain averaging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from fabric_multimodel.collectives import ProcessGroup
+from fabric_multimodel.rounds import DeltaRound
+
+OuterOptimizerFactory = Callable[[list[torch.Tensor]], Optimizer]
+
+
+class OuterRound(DeltaRound):
+    """A DiLoCo round: ``anchor.grad = mean(anchor - param)``, one outer-optimizer step, ``param <- anchor``.
+
+    Floating-point buffers are averaged (their anchor moves by their mean), never stepped. The
+    outer optimizer's state (momentum) is the only memory added to a :class:`DeltaRound`'s.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        n_params: int,
+        group: ProcessGroup,
+        *,
+        outer_optimizer: OuterOptimizerFactory,
+        comm_dtype: torch.dtype | None,
+        overlap: bool,
+        check_finite: bool,
+    ) -> None:
+        super().__init__(
+            tensors, names, n_params, group, comm_dtype=comm_dtype, overlap=overlap, check_finite=check_finite
+        )
+        self.params = self.storage.views(self.anchor, range(n_params))
+        # The mean pseudo-gradient is computed in the parameters' own memory (scratch during a round).
+        self._grads = self.storage.views(self.storage.data, range(n_params))
+        self.optimizer = make_outer_optimizer(outer_optimizer, self.params)
+
+    def _move_anchor(self, summed: list[torch.Tensor]) -> None:
+        if not self._outer:
+            super()._move_anchor(summed)
+            return
+        for total in summed:
+            total.div_(self.world)
+        for param, grad in zip(self.params, self._grads):
+            param.grad = grad
+        try:
+            self.optimizer.step()
+        finally:
+            for param in self.params:
+                param.grad = None
+        for anchor, mean in zip(self._buffers_part(self.anchor), self._buffers_part(summed)):
+            anchor.sub_(mean)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "outer_optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.optimizer.load_state_dict(state["outer_optimizer"])
+
+
+def make_outer_optimizer(factory: Any, params: list[torch.Tensor]) -> Optimizer:
+    """Call the user's ``outer_optimizer`` factory and check that it optimizes exactly ``params``."""
+    if not callable(factory):
+        raise TypeError(
+            "Averager: `outer_optimizer` must be a factory params -> Optimizer, e.g."
+            f" functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {type(factory).__name__}."
+        )
+    optimizer = factory(params)
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"Averager: `outer_optimizer(params)` must return a torch.optim.Optimizer, got {type(optimizer).__name__}."
+        )
+    given = {id(p) for p in params}
+    optimized = [p for group in optimizer.param_groups for p in group["params"]]
+    if {id(p) for p in optimized} != given or len(optimized) != len(params):
+        raise ValueError(
+            "Averager: the optimizer built by `outer_optimizer(params)` must optimize exactly the tensors it was"
+            " given (the anchor copies of the averaged parameters), each once."
+        )
+    return optimizer

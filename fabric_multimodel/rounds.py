@@ -1,0 +1,389 @@
+"""What an averaging round does, apart from when it happens (that is the :class:`Averager`'s schedule).
+
+A round fills a payload, allreduces it (one collective per payload buffer, launched
+asynchronously) and merges the result into the replicas. Two kinds live here:
+
+- :class:`MeanRound`: plain averaging (post-local SGD); every replica becomes the mean.
+- :class:`DeltaRound`: an anchored round. It sends pseudo-gradients ``anchor - param`` (in
+  ``comm_dtype`` when given) and moves the anchor by their mean; ``fabric_multimodel.outer``
+  replaces that move by an outer optimizer step (DiLoCo).
+
+Either kind runs *blocking* (``launch`` then ``finish`` at once: ``param <- global``) or, built with
+``overlap=True``, *overlapped*: ``finish`` comes some local steps later and keeps the progress
+made meanwhile, ``param <- global + (param - snapshot)``.
+
+Every payload ends with a small header in which each rank writes its own ``step()`` count and
+the layout of the optimizer state it averages (the other ranks write zeros), so the summed
+payload tells every rank what all of them wrote: a schedule that drifted apart is an error on
+every rank, found without another collective. A payload that sums to NaN or Inf (one rank's
+NaN reaches all) is an error on every rank too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_size
+from fabric_multimodel.flat import FlatStorage
+
+
+class AveragingError(RuntimeError):
+    """An averaging round failed on every rank: a peer is gone, or the ranks disagree on the schedule.
+
+    Example::
+
+        try:
+            averager.step()
+        except AveragingError as error:
+            fabric.print(f"stopping: {error}")
+            raise
+    """
+
+
+class NonFiniteError(AveragingError):
+    """A round found NaN or Inf in what the replicas sent; raised on every rank.
+
+    ``names`` lists the tensors (``model.layer.weight``) that held them. Anchored rounds (DiLoCo,
+    ``comm_dtype``) have put the parameters back to the anchor, identical and finite on every rank;
+    plain averaging has already spread the values to every replica.
+
+    Example::
+
+        except NonFiniteError as error:
+            print(error.names)
+    """
+
+    def __init__(self, message: str, names: Sequence[str]) -> None:
+        super().__init__(message)
+        self.names = list(names)
+
+
+class Header:
+    """Per-rank slots at the end of a payload: ``step()`` count and optimizer-state layout, as digits.
+
+    Each rank writes base-16 digits into its own slots and zeros elsewhere, so after a SUM every
+    slot holds one rank's digit exactly, in any floating dtype (bfloat16 holds 0..15 exactly).
+    """
+
+    STEP_DIGITS = 8
+    LAYOUT_DIGITS = 4
+    SLOTS = STEP_DIGITS + LAYOUT_DIGITS
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.size = world * self.SLOTS
+
+    def write(self, slots: torch.Tensor, steps: int, layout: int) -> None:
+        digits = _digits(steps, self.STEP_DIGITS) + _digits(layout, self.LAYOUT_DIGITS)
+        slots.zero_()
+        start = self.rank * self.SLOTS
+        slots[start : start + self.SLOTS] = torch.tensor(digits, dtype=slots.dtype)
+
+    def read(self, values: Sequence[float]) -> list[tuple[int, int]]:
+        """Every rank's (steps modulo 16**8, layout fingerprint) from the summed slots."""
+        rows = []
+        for r in range(self.world):
+            digits = [round(v) for v in values[r * self.SLOTS : (r + 1) * self.SLOTS]]
+            rows.append((_number(digits[: self.STEP_DIGITS]), _number(digits[self.STEP_DIGITS :])))
+        return rows
+
+
+def _digits(value: int, count: int) -> list[int]:
+    return [(value >> (4 * i)) & 15 for i in range(count)]
+
+
+def _number(digits: Sequence[int]) -> int:
+    return sum(d << (4 * i) for i, d in enumerate(digits))
+
+
+class Round:
+    """The machinery every kind shares: payload buffers, header, launch, wait, checks.
+
+    Subclasses decide what the payload holds (:meth:`_fill`) and what the summed payload does
+    to the replicas (:meth:`_merge`, :meth:`_rollback`).
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        group: ProcessGroup,
+        *,
+        overlap: bool,
+        check_finite: bool,
+        comm_dtype: torch.dtype | None = None,
+        in_place: bool,
+    ) -> None:
+        self.group = group
+        self.world = group_size(group)
+        self.header = Header(group_rank(group), self.world)
+        self.overlap = overlap
+        self.check_finite = check_finite
+        self.in_place = in_place
+        #: The tensors, re-homed into flat buffers (``spare`` holds the header when sent in place).
+        self.storage = FlatStorage(tensors, names, spare=self.header.size if in_place else 0)
+        self.send = self._send_buffers(comm_dtype)
+        self._work: list[Any] = []
+        self._blocking = True
+        self._outer = True
+        self._label = ""
+
+    # --- payload ---------------------------------------------------------------------------
+
+    def _send_buffers(self, comm_dtype: torch.dtype | None) -> list[torch.Tensor]:
+        if self.in_place:
+            return self.storage.buffers
+        if comm_dtype is None:  # one buffer per group, in the group's own dtype
+            sizes = self.storage.sizes
+            return [
+                torch.zeros(size + (self.header.size if i == 0 else 0), dtype=flat.dtype, device=flat.device)
+                for i, (size, flat) in enumerate(zip(sizes, self.storage.buffers))
+            ]
+        devices = {flat.device for flat in self.storage.buffers}
+        if len(devices) > 1:
+            raise ValueError(f"`comm_dtype` needs every averaged tensor on one device, found {sorted(map(str, devices))}.")
+        total = sum(self.storage.sizes) + self.header.size
+        return [torch.zeros(total, dtype=comm_dtype, device=devices.pop())]
+
+    def _regions(self) -> list[torch.Tensor]:
+        """Per storage buffer, the part of a send buffer that carries it."""
+        if len(self.send) == len(self.storage.sizes):
+            return [s[:size] for s, size in zip(self.send, self.storage.sizes)]
+        regions, offset = [], 0
+        for size in self.storage.sizes:
+            regions.append(self.send[0][offset : offset + size])
+            offset += size
+        return regions
+
+    @property
+    def traffic(self) -> Traffic:
+        """What one round sends per rank: every payload element, header included."""
+        if self.world == 1:
+            return Traffic()
+        elements = sum(s.numel() for s in self.send)
+        return Traffic(elements, sum(s.numel() * s.element_size() for s in self.send))
+
+    @property
+    def pending(self) -> bool:
+        """True while a round is in flight (launched, not yet finished)."""
+        return bool(self._work)
+
+    # --- the round ---------------------------------------------------------------------------
+
+    def launch(self, *, steps: int, layout: int, label: str, blocking: bool, outer: bool = True) -> None:
+        """Fill the payload and start its allreduce; ``blocking`` rounds are finished by the caller at once.
+
+        ``outer=False`` makes an outer-optimizer round a plain mean (rounds during warm-up).
+        """
+        if self.world == 1:
+            return
+        self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
+        self._fill()
+        self.header.write(self.send[0][-self.header.size :], steps, layout)
+        try:
+            self._work = [dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self.send]
+        except RuntimeError as error:
+            raise self._peer_error(error) from error
+
+    def finish(self) -> list[tuple[int, int]]:
+        """Wait for the round in flight and merge it; returns every rank's header (steps, layout).
+
+        Raises :class:`NonFiniteError` when the summed payload is not finite (after the rollback).
+        """
+        if not self._work:
+            return []
+        work, self._work = self._work, []
+        try:
+            for w in work:
+                w.wait()
+        except RuntimeError as error:
+            raise self._peer_error(error) from error
+        head = self.send[0][-self.header.size :]
+        if self.check_finite:
+            total = torch.stack([s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self.send])
+            values = torch.cat([head.double(), total.double()]).tolist()
+            finite = all(map(_isfinite, values[self.header.size :]))
+        else:
+            values, finite = head.double().tolist(), True
+        rows = self.header.read(values)
+        if not finite:
+            names = self.storage.nonfinite(self._regions())
+            message = self._rollback()
+            raise NonFiniteError(
+                f"{self._label}: NaN or Inf in what the replicas sent, in {', '.join(names) or 'the payload'}"
+                f" (on at least one rank); {message}.",
+                names,
+            )
+        self._merge()
+        return rows
+
+    def discard(self) -> None:
+        """Wait for the round in flight (every rank issued it) and drop its result; replicas keep their values."""
+        work, self._work = self._work, []
+        for w in work:
+            try:
+                w.wait()
+            except RuntimeError:
+                pass  # the caller is already failing; a peer that is gone is its concern, not ours
+
+    def _peer_error(self, error: BaseException) -> AveragingError:
+        return AveragingError(
+            f"{self._label} failed: a peer exited or is unreachable ({type(error).__name__}: {str(error).splitlines()[0]})"
+        )
+
+    def _fill(self) -> None:
+        raise NotImplementedError
+
+    def _merge(self) -> None:
+        raise NotImplementedError
+
+    def _rollback(self) -> str:
+        """Undo what a failed round did to the replicas; returns what they hold now, for the error."""
+        raise NotImplementedError
+
+
+class MeanRound(Round):
+    """Plain averaging: every replica becomes the mean of the replicas.
+
+    Blocking rounds reduce the flat parameter buffers in place (no copy at all). Overlapped
+    rounds copy the parameters into a send buffer and a snapshot (both allocated once) and merge
+    as ``param <- mean(snapshot) + (param - snapshot)``, computed as ``(param - snapshot) + mean``
+    so that a replica with no local progress lands exactly on the mean.
+    """
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: ProcessGroup, *, overlap: bool, check_finite: bool
+    ) -> None:
+        super().__init__(tensors, names, group, overlap=overlap, check_finite=check_finite, in_place=not overlap)
+        self.snapshot = self.storage.mirror() if overlap else []
+
+    def _fill(self) -> None:
+        if self.in_place:
+            return
+        for x, region, snap in zip(self.storage.data, self._regions(), self.snapshot):
+            region.copy_(x)
+            if not self._blocking:
+                snap.copy_(x)
+
+    def _merge(self) -> None:
+        for x, region, snap in zip(self.storage.data, self._regions(), self.snapshot or self.storage.data):
+            region.div_(self.world)
+            if self.in_place:
+                continue
+            if self._blocking:
+                x.copy_(region)
+            else:
+                x.sub_(snap).add_(region)
+
+    def _rollback(self) -> str:
+        if self.in_place:
+            for region in self._regions():
+                region.div_(self.world)
+            return "plain averaging has already spread them to every replica; restore a checkpoint"
+        return "each replica keeps its own parameters (the round was not applied)"
+
+
+class DeltaRound(Round):
+    """An anchored round: the payload is the pseudo-gradient ``anchor - param``, the new global state
+    is ``anchor - mean(pseudo-gradient)`` (the mean of the replicas), and the anchor follows it.
+
+    Floating-point buffers (BatchNorm statistics) ride in the same payload with an anchor that
+    starts at zero, so their first round sends their values and their mean is identical on every
+    rank from then on. Memory: the anchor (one copy of the tensors), plus a send buffer in
+    ``comm_dtype`` when it differs from the tensors' dtype or the round is overlapped, plus a
+    snapshot (one more copy) when overlapped. All allocated once.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        n_params: int,
+        group: ProcessGroup,
+        *,
+        comm_dtype: torch.dtype | None,
+        overlap: bool,
+        check_finite: bool,
+    ) -> None:
+        dtypes = {t.dtype for t in tensors}
+        in_place = not overlap and (comm_dtype is None or dtypes == {comm_dtype})
+        super().__init__(
+            tensors,
+            names,
+            group,
+            overlap=overlap,
+            check_finite=check_finite,
+            comm_dtype=None if in_place else comm_dtype,
+            in_place=in_place,
+        )
+        self.n_params = n_params
+        self.anchor = self.storage.mirror()
+        self.snapshot = self.storage.mirror() if overlap else []
+        # Per storage buffer, where its parameters end and its buffers (anchored at zero) begin.
+        self._param_end = [0] * len(self.storage.sizes)
+        for i in range(n_params):
+            b, offset, numel = self.storage.slots[i]
+            self._param_end[b] = max(self._param_end[b], offset + numel)
+        self.reset_anchor()
+
+    def reset_anchor(self) -> None:
+        """Anchor the parameters where they are now (identical on every rank) and the buffers at zero."""
+        with torch.no_grad():
+            for anchor, x, end in zip(self.anchor, self.storage.data, self._param_end):
+                anchor[:end].copy_(x[:end])
+                anchor[end:].zero_()
+
+    def _fill(self) -> None:
+        for x, anchor, region, snap in zip(self.storage.data, self.anchor, self._regions(), self.snapshot or self.storage.data):
+            if self._blocking:
+                torch.sub(anchor, x, out=x)  # the parameters are rebuilt from the anchor when the round finishes
+                if not self.in_place:
+                    region.copy_(x)
+            else:
+                torch.sub(anchor, x, out=snap)
+                region.copy_(snap)
+
+    def _merge(self) -> None:
+        for x, anchor, region, snap in zip(self.storage.data, self.anchor, self._regions(), self.snapshot or self.storage.data):
+            if not self._blocking:
+                snap.add_(x).sub_(anchor)  # the local progress since launch: param - (anchor - delta)
+            if not self.in_place:
+                x.copy_(region)  # the summed pseudo-gradient, in the parameters' dtype, in scratch space
+        self._move_anchor(self.storage.data)
+        for x, anchor, snap in zip(self.storage.data, self.anchor, self.snapshot or self.storage.data):
+            if self._blocking:
+                x.copy_(anchor)
+            else:
+                torch.add(anchor, snap, out=x)
+
+    def _move_anchor(self, summed: list[torch.Tensor]) -> None:
+        """Move the anchor by the mean pseudo-gradient (``summed`` holds the sum over ranks; scratch)."""
+        for anchor, total in zip(self.anchor, summed):
+            anchor.sub_(total, alpha=1 / self.world)
+
+    def _buffers_part(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t[end:] for t, end in zip(tensors, self._param_end)]
+
+    def _rollback(self) -> str:
+        for x, anchor in zip(self.storage.data, self.anchor):
+            x.copy_(anchor)
+        return "the parameters are back at the anchor (the last averaged state), identical on every rank"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"anchor": [a.clone() for a in self.anchor]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        anchors = state["anchor"]
+        if len(anchors) != len(self.anchor) or any(a.shape != b.shape for a, b in zip(anchors, self.anchor)):
+            raise ValueError("the checkpoint's anchor does not match these modules; load it into the same models.")
+        with torch.no_grad():
+            for anchor, saved in zip(self.anchor, anchors):
+                anchor.copy_(saved)
+
+
+def _isfinite(value: float) -> bool:
+    return value == value and value not in (float("inf"), float("-inf"))
