@@ -54,3 +54,15 @@ def collectives(fn, *args) -> list[tuple[str, int]]:
             elements = sum(int(torch.Size(shape).numel()) for shape in event.input_shapes if shape)
             found.append((event.name, elements))
     return found
+
+
+def allreduce_payloads(fn, *args) -> list[tuple[int, str]]:
+    """Run ``fn(*args)`` under the profiler; each allreduce it issued as (elements, dtype)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn(*args)
+    found = []
+    for event in prof.events():
+        if event.name == "gloo:all_reduce":
+            shapes = [(shape, dtype) for shape, dtype in zip(event.input_shapes, event.input_dtypes) if shape]
+            found.append((sum(int(torch.Size(s).numel()) for s, _ in shapes), shapes[0][1]))
+    return found
