@@ -344,13 +344,15 @@ class DeltaRound(Round):
                 if not self.in_place:
                     region.copy_(x)
             else:
-                torch.sub(anchor, x, out=snap)
-                region.copy_(snap)
+                snap.copy_(x)
+                torch.sub(anchor, snap, out=region)
 
     def _merge(self) -> None:
-        for x, anchor, region, snap in zip(self.storage.data, self.anchor, self._regions(), self.snapshot or self.storage.data):
+        for x, region, snap in zip(self.storage.data, self._regions(), self.snapshot or self.storage.data):
             if not self._blocking:
-                snap.add_(x).sub_(anchor)  # the local progress since launch: param - (anchor - delta)
+                # The local progress since launch; exactly zero for a replica that made none, so that
+                # it lands bitwise on the new anchor.
+                torch.sub(x, snap, out=snap)
             if not self.in_place:
                 x.copy_(region)  # the summed pseudo-gradient, in the parameters' dtype, in scratch space
         self._move_anchor(self.storage.data)
