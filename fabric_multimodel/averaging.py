@@ -28,7 +28,7 @@ from fabric_multimodel.collectives import (
 )
 from fabric_multimodel.models import Models, ddp_of
 from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
-from fabric_multimodel.rounds import AveragingError, DeltaRound, MeanRound, NonFiniteError, Round
+from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
 
 Modules = nn.Module | Iterable[nn.Module]
 
@@ -161,9 +161,9 @@ class Averager:
       gradient allreduce, no DDP buffer broadcast), and a round of parameters (plus floating-point
       buffers when ``average_buffers``, plus the floating-point state of ``optimizers``) when
       ``(steps - warmup_steps) % period == 0``.
-    - Leaving the block: one small allreduce checks that every rank called ``step()`` equally
-      often, then a round if any local step happened since the last one, so every replica leaves
-      identical. Leaving by exception issues no new collective; a round in flight is waited for
+    - Leaving the block: a round, so every replica leaves identical. In the local phase it is issued
+      even when no rank took a local step since the last round (it then changes nothing), so that
+      it can check that every rank called ``step()`` equally often. Leaving by exception issues no new collective; a round in flight is waited for
       (every rank issued it) and discarded, and each replica keeps its own parameters.
 
     The schedule counts ``step()`` calls, never optimizer steps, so a GAN's two optimizers or a
@@ -350,7 +350,10 @@ class Averager:
                 self._discard_pending()
             else:
                 self._finish_pending()
-                if self._check_schedule_on_exit():
+                # In the local phase every rank ends with a round, needed or not (then it changes
+                # nothing): it carries each rank's step() count, so a schedule that drifted apart
+                # is an error on every rank instead of one rank waiting for a round nobody else starts.
+                if self.local or self.steps > self._synced_at_step:
                     self._round_now(blocking=True)
         finally:
             for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
@@ -489,71 +492,51 @@ class Averager:
                 " example by `.to()` or `param.data = ...`); move models before building the Averager."
             )
         label = f"averaging round {self.rounds + 1} at step {self.steps}"
-        self._round.launch(
-            steps=self.steps, layout=self._optimizer_layout()[0], label=label, blocking=blocking, outer=self.steps > self.warmup_steps
-        )
+        warming_up = self.steps < self.warmup_steps
+        if warming_up and isinstance(self._round, DeltaRound):
+            self._round.reset_anchor()  # rounds in warm-up are plain means of the (DDP-synchronised) replicas
+        stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], warming_up or self.steps > self._synced_at_step)
+        self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up)
         self.traffic += self._round.traffic
-        self.rounds += 1
-        if blocking:
-            self._check_headers(self._round.finish(), label)
-            self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
-            self._synced_at_step = self.steps
-        else:
+        if not blocking:
+            self.rounds += 1
             self._launched_at = self.steps
+            return
+        stamps = self._round.finish()
+        self._check_stamps(stamps, label)
+        if any(s.progress for s in stamps):
+            self.rounds += 1
+            self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
+        self._synced_at_step = self.steps
 
     def _finish_pending(self) -> None:
         if self._launched_at is None:
             return
         label = f"averaging round {self.rounds} (launched at step {self._launched_at})"
         self._launched_at = None
-        self._check_headers(self._round.finish(), label)
+        self._check_stamps(self._round.finish(), label)
 
     def _discard_pending(self) -> None:
         if self._launched_at is not None:
             self._launched_at = None
             self._round.discard()
 
-    def _check_headers(self, rows: list[tuple[int, int]], label: str) -> None:
-        if not rows:
-            return
-        ranks = _group_ranks(self.process_group, len(rows))
-        mine = rows[_position(self.process_group)]
-        for rank, (their_steps, their_layout) in zip(ranks, rows):
-            if their_steps != mine[0]:
+    def _check_stamps(self, stamps: list[Stamp], label: str) -> None:
+        ranks = _group_ranks(self.process_group, len(stamps))
+        mine = stamps[_position(self.process_group)]
+        for rank, stamp in zip(ranks, stamps):
+            if stamp.steps != mine.steps:
                 raise AveragingError(
                     f"{label}: averager.step() was called {self.steps} times on this rank but"
-                    f" {_unwrap_steps(their_steps, self.steps)} times on rank {rank}; call it exactly once per"
+                    f" {_unwrap_steps(stamp.steps, self.steps)} times on rank {rank}; call it exactly once per"
                     " iteration, on every rank."
                 )
-        if any(layout != mine[1] for _, layout in rows):
+        if any(stamp.layout != mine.layout for stamp in stamps):
             problem = describe_disagreement(self._optimizer_layout()[1], self._device, self.process_group)
             raise AveragingError(
                 f"{label}: the optimizers' state differs across ranks (build the same optimizer types and options,"
                 f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
             )
-
-    def _check_schedule_on_exit(self) -> bool:
-        """Check that every rank called step() equally often; True when any rank has local steps to average."""
-        world = group_size(self.process_group)
-        if world == 1:
-            return self.steps > self._synced_at_step
-        mine = torch.tensor([self.steps, self.steps > self._synced_at_step], dtype=torch.int64, device=self._device)
-        everyone = [torch.zeros_like(mine) for _ in range(world)]
-        try:
-            dist.all_gather(everyone, mine, group=self.process_group)
-        except RuntimeError as error:
-            raise AveragingError(
-                f"leaving the Averager at step {self.steps} failed: a peer exited or is unreachable"
-                f" ({type(error).__name__}: {str(error).splitlines()[0]})"
-            ) from error
-        counts = [int(t[0]) for t in everyone]
-        for rank, count in zip(_group_ranks(self.process_group, world), counts):
-            if count != self.steps:
-                raise AveragingError(
-                    f"leaving the Averager: averager.step() was called {self.steps} times on this rank but {count}"
-                    f" times on rank {rank}; call it exactly once per iteration, on every rank."
-                )
-        return any(int(t[1]) for t in everyone)
 
     def _optimizer_layout(self) -> tuple[int, str]:
         if not self.optimizers:

@@ -8,11 +8,14 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import DDPStrategy, ParallelStrategy
 from lightning_fabric.wrappers import _FabricModule
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from fabric_multimodel.collectives import describe_disagreement, fingerprint
 
 # Fabric passes these itself; a user value would clash with (or silently undo) Fabric's choice.
 _RESERVED_DDP_KWARGS = ("module", "device_ids")
@@ -45,9 +48,17 @@ def setup_models(
     Under a DDP strategy every model gets the strategy's DDP options overridden by
     ``ddp_kwargs[name]``, so a GAN's discriminator can skip buffer broadcasts while the generator
     keeps them, and no model needs ``find_unused_parameters=True`` (use :func:`frozen` for the
-    model that is only used, not trained, in a step). Single-process strategies ignore
-    ``ddp_kwargs``; FSDP, DeepSpeed and other strategies set each model up as Fabric does and
-    reject ``ddp_kwargs``.
+    model that is only used, not trained, in a step). A model with no trainable parameter (a
+    frozen teacher) is set up without DDP: DDP has nothing to synchronise and refuses such a model;
+    it is still converted, moved and wrapped by Fabric. Make its parameters trainable before this
+    call if you mean to train it. Single-process strategies ignore ``ddp_kwargs``; FSDP, DeepSpeed
+    and any strategy that builds its own wrapper set each model up as Fabric does and reject
+    ``ddp_kwargs``.
+
+    With several processes, one small allreduce first checks that every rank passed the same model
+    names, in the same order, with the same parameter and buffer shapes and dtypes, and the same
+    ``ddp_kwargs`` names and options; a mismatch is a ``ValueError`` on every rank that says what
+    differs, instead of a hang inside DDP.
 
     Args:
         fabric: a launched :class:`~lightning_fabric.Fabric`.
@@ -63,14 +74,18 @@ def setup_models(
     """
     _validate(fabric, ddp_kwargs, models)
     ddp_kwargs = ddp_kwargs or {}
+    _check_agreement(fabric, ddp_kwargs, models)
     strategy = fabric.strategy
     set_up = {}
     for name, module in models.items():
-        if isinstance(strategy, DDPStrategy):
-            with _ddp_options(strategy, ddp_kwargs.get(name, {})):
+        if not _builds_plain_ddp(strategy):
+            set_up[name] = fabric.setup_module(module)
+        elif not any(p.requires_grad for p in module.parameters()):
+            with _without_ddp(strategy):
                 set_up[name] = fabric.setup_module(module)
         else:
-            set_up[name] = fabric.setup_module(module)
+            with _ddp_options(strategy, ddp_kwargs.get(name, {})):
+                set_up[name] = fabric.setup_module(module)
     return _models_type(tuple(set_up))(**set_up)
 
 
@@ -139,10 +154,40 @@ def _validate(fabric: Fabric, ddp_kwargs: Any, models: Mapping[str, Any]) -> Non
                 " not accept; check the spelling against torch.nn.parallel.DistributedDataParallel."
             )
     strategy = fabric.strategy
-    if ddp_kwargs and isinstance(strategy, ParallelStrategy) and not isinstance(strategy, DDPStrategy):
+    if ddp_kwargs and isinstance(strategy, ParallelStrategy) and not _builds_plain_ddp(strategy):
         raise ValueError(
             f"setup_models: `ddp_kwargs` only applies to DDP strategies, but this Fabric uses"
             f" {type(strategy).__name__}; configure that strategy instead and drop `ddp_kwargs`."
+        )
+
+
+def _builds_plain_ddp(strategy: Any) -> bool:
+    """True for Fabric's DDP strategy and subclasses that keep its module wrapping (not DeepSpeed's)."""
+    return isinstance(strategy, DDPStrategy) and type(strategy).setup_module is DDPStrategy.setup_module
+
+
+def _check_agreement(fabric: Fabric, ddp_kwargs: Mapping[str, Mapping[str, Any]], models: Mapping[str, nn.Module]) -> None:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+
+    def describe(module: nn.Module) -> str:
+        params, buffers = list(module.parameters()), list(module.buffers())
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in [*params, *buffers]})
+        shapes = fingerprint(repr([(tuple(t.shape), t.dtype) for t in [*params, *buffers]])) % 10**6
+        trainable = sum(p.requires_grad for p in params)
+        return (
+            f"{len(params)} parameters ({trainable} trainable, {sum(p.numel() for p in params):,} elements),"
+            f" {len(buffers)} buffers,"
+            f" {'/'.join(dtypes) or 'no dtype'}, shapes #{shapes:06d}"
+        )
+
+    models_text = ", ".join(f"{name} [{describe(module)}]" for name, module in models.items())
+    options = {name: sorted(options) for name, options in sorted(ddp_kwargs.items())}
+    problem = describe_disagreement(f"models {models_text}; ddp_kwargs {options}", fabric.device)
+    if problem:
+        raise ValueError(
+            "setup_models: the models (names, order, parameter and buffer shapes and dtypes) or the ddp_kwargs"
+            f" differ across ranks; pass the same models on every rank. {problem}"
         )
 
 
@@ -156,6 +201,17 @@ def _ddp_options(strategy: DDPStrategy, overrides: Mapping[str, Any]) -> Iterato
         yield
     finally:
         strategy._ddp_kwargs = saved
+
+
+@contextmanager
+def _without_ddp(strategy: DDPStrategy) -> Iterator[None]:
+    # Fabric's setup_module still converts precision, moves the model and wraps it; only the
+    # strategy's DDP wrapping is skipped (an instance attribute shadows the method for this call).
+    strategy.setup_module = lambda module: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del strategy.setup_module
 
 
 def _models_type(names: tuple[str, ...]) -> type[Models]:

@@ -22,7 +22,7 @@ NaN reaches all) is an error on every rank too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,34 +62,44 @@ class NonFiniteError(AveragingError):
         self.names = list(names)
 
 
-class Header:
-    """Per-rank slots at the end of a payload: ``step()`` count and optimizer-state layout, as digits.
+class Stamp(NamedTuple):
+    """What one rank writes into a round's header."""
 
-    Each rank writes base-16 digits into its own slots and zeros elsewhere, so after a SUM every
-    slot holds one rank's digit exactly, in any floating dtype (bfloat16 holds 0..15 exactly).
+    steps: int  # its step() count (modulo 16**8)
+    layout: int  # a 16-bit fingerprint of the optimizer state it averages (0: none)
+    progress: bool  # whether it took a local step since its last round
+
+
+class Header:
+    """Per-rank slots at the end of a payload, holding each rank's :class:`Stamp` as base-16 digits.
+
+    Each rank writes digits into its own slots and zeros elsewhere, so after a SUM every slot holds
+    one rank's digit exactly, in any floating dtype (bfloat16 holds 0..15 exactly).
     """
 
     STEP_DIGITS = 8
     LAYOUT_DIGITS = 4
-    SLOTS = STEP_DIGITS + LAYOUT_DIGITS
+    SLOTS = STEP_DIGITS + LAYOUT_DIGITS + 1
 
     def __init__(self, rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         self.size = world * self.SLOTS
 
-    def write(self, slots: torch.Tensor, steps: int, layout: int) -> None:
-        digits = _digits(steps, self.STEP_DIGITS) + _digits(layout, self.LAYOUT_DIGITS)
+    def write(self, slots: torch.Tensor, stamp: Stamp) -> None:
+        digits = _digits(stamp.steps, self.STEP_DIGITS) + _digits(stamp.layout, self.LAYOUT_DIGITS) + [int(stamp.progress)]
         slots.zero_()
         start = self.rank * self.SLOTS
         slots[start : start + self.SLOTS] = torch.tensor(digits, dtype=slots.dtype)
 
-    def read(self, values: Sequence[float]) -> list[tuple[int, int]]:
-        """Every rank's (steps modulo 16**8, layout fingerprint) from the summed slots."""
-        rows = []
+    def read(self, values: Sequence[float]) -> list[Stamp]:
+        """Every rank's stamp, from the summed slots."""
+        stamps = []
         for r in range(self.world):
             digits = [round(v) for v in values[r * self.SLOTS : (r + 1) * self.SLOTS]]
-            rows.append((_number(digits[: self.STEP_DIGITS]), _number(digits[self.STEP_DIGITS :])))
-        return rows
+            steps = _number(digits[: self.STEP_DIGITS])
+            layout = _number(digits[self.STEP_DIGITS : self.STEP_DIGITS + self.LAYOUT_DIGITS])
+            stamps.append(Stamp(steps, layout, bool(digits[-1])))
+        return stamps
 
 
 def _digits(value: int, count: int) -> list[int]:
@@ -174,25 +184,28 @@ class Round:
 
     # --- the round ---------------------------------------------------------------------------
 
-    def launch(self, *, steps: int, layout: int, label: str, blocking: bool, outer: bool = True) -> None:
+    def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True) -> None:
         """Fill the payload and start its allreduce; ``blocking`` rounds are finished by the caller at once.
 
         ``outer=False`` makes an outer-optimizer round a plain mean (rounds during warm-up).
         """
-        if self.world == 1:
-            return
         self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
         self._fill()
-        self.header.write(self.send[0][-self.header.size :], steps, layout)
+        self.header.write(self.send[0][-self.header.size :], stamp)
+        if self.world == 1:  # the sum over one rank is the payload itself: merge it all the same
+            self._work = [_Done()]
+            return
         try:
             self._work = [dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self.send]
         except RuntimeError as error:
             raise self._peer_error(error) from error
 
-    def finish(self) -> list[tuple[int, int]]:
-        """Wait for the round in flight and merge it; returns every rank's header (steps, layout).
+    def finish(self) -> list[Stamp]:
+        """Wait for the round in flight and merge it; returns every rank's :class:`Stamp`.
 
-        Raises :class:`NonFiniteError` when the summed payload is not finite (after the rollback).
+        A round in which no rank made progress changes nothing (it is the end of a block, or a
+        ``sync()``, right after a round). Raises :class:`NonFiniteError` when the summed payload is
+        not finite (after the rollback).
         """
         if not self._work:
             return []
@@ -218,7 +231,10 @@ class Round:
                 f" (on at least one rank); {message}.",
                 names,
             )
-        self._merge()
+        if any(stamp.progress for stamp in rows):
+            self._merge()
+        else:
+            self._skip()
         return rows
 
     def discard(self) -> None:
@@ -239,6 +255,10 @@ class Round:
         raise NotImplementedError
 
     def _merge(self) -> None:
+        raise NotImplementedError
+
+    def _skip(self) -> None:
+        """Leave the replicas as they were before the round (no rank had anything to average)."""
         raise NotImplementedError
 
     def _rollback(self) -> str:
@@ -278,6 +298,11 @@ class MeanRound(Round):
                 x.copy_(region)
             else:
                 x.sub_(snap).add_(region)
+
+    def _skip(self) -> None:
+        if self.in_place:  # the sum of identical replicas, divided: the same values (to the last bit when
+            for region in self._regions():  # the world size is a power of two)
+                region.div_(self.world)
 
     def _rollback(self) -> str:
         if self.in_place:
@@ -362,6 +387,11 @@ class DeltaRound(Round):
             else:
                 torch.add(anchor, snap, out=x)
 
+    def _skip(self) -> None:
+        if self._blocking:  # the parameters were turned into the (zero) pseudo-gradient in place
+            for x, anchor in zip(self.storage.data, self.anchor):
+                x.copy_(anchor)
+
     def _move_anchor(self, summed: list[torch.Tensor]) -> None:
         """Move the anchor by the mean pseudo-gradient (``summed`` holds the sum over ranks; scratch)."""
         for anchor, total in zip(self.anchor, summed):
@@ -385,6 +415,13 @@ class DeltaRound(Round):
         with torch.no_grad():
             for anchor, saved in zip(self.anchor, anchors):
                 anchor.copy_(saved)
+
+
+class _Done:
+    """The work handle of a round that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
 
 
 def _isfinite(value: float) -> bool:

@@ -123,7 +123,7 @@ def payload_bytes_and_result(fabric, comm_dtype_name, outer):
     averager = Averager(fabric, m, period=2, comm_dtype=comm_dtype, outer_optimizer=NESTEROV if outer else None)
     with averager:
         train(fabric, m, averager, 3, seed=1)  # a round at step 2
-        sent = allreduce_payloads(averager.sync)  # and one now: nothing is left to average on leaving
+        sent = allreduce_payloads(averager.sync)  # and one now; leaving sends one more that changes nothing
     n_params = sum(p.numel() for p in m.parameters())
     return sent, averager.traffic, flat_params(m), n_params
 
@@ -137,7 +137,7 @@ def test_bfloat16_sends_half_the_bytes_and_lands_within_its_rounding(worlds, out
     header = Header.SLOTS * 2
     assert fp32_sent == [(n_params + header, "float")]  # one allreduce of the payload, counted by the profiler
     assert bf16_sent == [(n_params + header, "c10::BFloat16")]
-    assert bf16_traffic.bytes * 2 == fp32_traffic.bytes == 2 * 4 * (n_params + header)  # 2 rounds each
+    assert bf16_traffic.bytes * 2 == fp32_traffic.bytes == 3 * 4 * (n_params + header)  # 3 payloads each
     # bf16 keeps 8 significant bits of each pseudo-gradient; the parameters themselves stay fp32.
     scale = (fp32_params.abs().max() * 2**-7).item()
     assert 0 < (bf16_params - fp32_params).abs().max().item() < scale

@@ -151,7 +151,7 @@ def test_collectives_only_at_launch_steps(worlds, period, overlap_steps, warmup_
         launches += due
     assert on_sync == {"all_reduce": 1}  # a round in flight is waited for (no new call), then one blocking round
     assert in_sync
-    assert on_exit == {"all_gather": 1}  # the schedule check; nothing left to average after sync()
+    assert on_exit == {"all_reduce": 1}  # a round that checks the schedule and changes nothing after sync()
     assert rounds == launches + 1
 
 
