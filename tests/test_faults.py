@@ -1,0 +1,329 @@
+"""Faults injected into real gloo worlds: what the library does, what the user reads, how long it takes.
+
+Each case asserts the message every rank sees and that it came quickly (no waiting for a timeout).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fabric_multimodel import (
+    Averager,
+    AveragingError,
+    NonFiniteError,
+    average_models,
+    replicas_in_sync,
+    setup_models,
+)
+from fabric_multimodel.launch import run_world
+from tests.gan import mlp
+
+NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def still_in_step() -> float:
+    """Every rank can still run a collective: nothing was left half-issued."""
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    return check.item()
+
+
+def timed_error(call):
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as error:  # the test asserts on the type and message
+        return type(error).__name__, str(error), time.monotonic() - start
+    return None, None, time.monotonic() - start
+
+
+# --- setup_models: different models on different ranks ---------------------------------------------
+
+
+def mismatched_setup_models(fabric, case):
+    torch.manual_seed(0)
+    gen, disc = mlp([2, 4, 2]), mlp([2, 4, 1])
+    rank1 = fabric.global_rank == 1
+    if case == "missing model":
+        call = lambda: setup_models(fabric, gen=gen) if rank1 else setup_models(fabric, gen=gen, disc=disc)  # noqa: E731
+    elif case == "dtype":
+        call = lambda: setup_models(fabric, gen=gen, disc=disc.double() if rank1 else disc)  # noqa: E731
+    else:  # ddp_kwargs given on one rank only
+        options = {"disc": {"bucket_cap_mb": 1}} if rank1 else None
+        call = lambda: setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=options)  # noqa: E731
+    return timed_error(call), still_in_step()
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("missing model", ["models", "gen [", "disc ["]),
+        ("dtype", ["float64", "float32"]),
+        ("ddp_kwargs", ["bucket_cap_mb"]),
+    ],
+)
+def test_setup_models_refuses_models_that_differ_across_ranks(worlds, case, words):
+    for (kind, message, seconds), check in worlds(2).run(mismatched_setup_models, case):
+        assert kind == "ValueError" and "differ across ranks" in message, message
+        assert all(word in message for word in words), message
+        assert "rank 0:" in message and "rank 1:" in message
+        assert seconds < 10 and check == 2
+
+
+# --- step() called a different number of times on different ranks --------------------------------
+
+
+def drifting_schedule(fabric, extra, warmup_steps, overlap_steps, outer):
+    """Rank 1 calls step() one extra time (``extra``) or skips one call, in the local phase."""
+    torch.manual_seed(0)
+    (m,) = setup_models(fabric, m=nn.Linear(3, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def run():
+        with Averager(
+            fabric,
+            m,
+            period=3,
+            warmup_steps=warmup_steps,
+            overlap_steps=overlap_steps,
+            outer_optimizer=NESTEROV if outer else None,
+        ) as averager:
+            for step in range(1, warmup_steps + 11):
+                fabric.backward(m(torch.randn(4, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+                odd = fabric.global_rank == 1 and step == warmup_steps + 2
+                if not (odd and not extra):
+                    averager.step()
+                if odd and extra:
+                    averager.step()
+
+    return timed_error(run), still_in_step()
+
+
+@pytest.mark.parametrize("extra", [True, False])
+@pytest.mark.parametrize("overlap_steps, outer", [(0, False), (1, False), (0, True), (2, True)])
+def test_schedule_drift_in_the_local_phase_is_an_error_on_every_rank(worlds, extra, overlap_steps, outer):
+    results = worlds(2).run(drifting_schedule, extra, 2, overlap_steps, outer)
+    counts = []
+    for (kind, message, seconds), check in results:
+        assert kind == "AveragingError", message
+        assert "averager.step() was called" in message and "call it exactly once per iteration" in message
+        assert seconds < 10 and check == 2
+        counts.append(message.split("was called ")[1].split(" times")[0])
+    assert counts[0] != counts[1]  # each rank reports its own count and names the other's
+
+
+def warmup_drift(fabric):
+    torch.manual_seed(0)
+    (m,) = setup_models(fabric, m=nn.Linear(3, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with Averager(fabric, m, period=2, warmup_steps=4) as averager:
+        for step in range(1, 11):
+            fabric.backward(m(torch.randn(4, 3)).sum())
+            opt.step()
+            opt.zero_grad()
+            averager.step()
+            if fabric.global_rank == 1 and step == 2:
+                averager.step()
+
+
+def test_schedule_drift_in_warmup_fails_fast_instead_of_hanging():
+    # In warm-up, DDP's gradient allreduce pairs with whatever collective the other rank issues next;
+    # nothing can tell them apart without a collective per step. Gloo detects the size mismatch and
+    # aborts the process; what we promise is a prompt failure, not a hang.
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="warmup_drift failed"):
+        run_world(2, warmup_drift, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+# --- optimizer state laid out differently on different ranks -------------------------------------
+
+
+def different_optimizer_layouts(fabric):
+    torch.manual_seed(0)
+    (m,) = setup_models(fabric, m=nn.Linear(3, 2))
+    opt = torch.optim.Adam(m.parameters(), lr=0.01, amsgrad=fabric.global_rank == 1)
+
+    def run():
+        with Averager(fabric, m, period=2, optimizers=[opt]) as averager:
+            for _ in range(4):
+                fabric.backward(m(torch.randn(4, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+                averager.step()
+
+    return timed_error(run), still_in_step()
+
+
+def test_optimizer_state_that_differs_across_ranks_is_an_error_at_the_first_round(worlds):
+    for (kind, message, seconds), check in worlds(2).run(different_optimizer_layouts):
+        assert kind == "AveragingError" and "averaging round 1 at step 2" in message, message
+        assert "optimizers' state differs across ranks" in message and "max_exp_avg_sq" in message
+        assert seconds < 10 and check == 2
+
+
+# --- NaN or Inf on one rank -------------------------------------------------------------------------
+
+
+def nonfinite_on_one_rank(fabric, value, kind):
+    torch.manual_seed(0)
+    models = setup_models(fabric, gen=mlp([2, 4, 2]), disc=mlp([2, 4, 1]))
+    options = {
+        "plain": {},
+        "diloco": {"outer_optimizer": NESTEROV},
+        "bf16": {"comm_dtype": torch.bfloat16},
+        "overlap": {"overlap_steps": 1},
+    }[kind]
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    averager = Averager(fabric, models, period=2, **options)
+
+    def run():
+        with averager:
+            for step in range(1, 5):
+                fabric.backward(sum(m(torch.randn(4, 2)).sum() for m in models))
+                opt.step()
+                opt.zero_grad()
+                if step == 3 and fabric.global_rank == 1:
+                    with torch.no_grad():
+                        models.disc.module[0].weight[0, 0] = value
+                averager.step()
+
+    error = timed_error(run)
+    report = replicas_in_sync(fabric, models)
+    return error, bool(report), report.finite, averager.rounds, still_in_step()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kind", ["plain", "diloco", "bf16", "overlap"])
+def test_nonfinite_values_on_one_rank_raise_on_every_rank(worlds, value, kind):
+    for (name, message, seconds), in_sync, finite, rounds, check in worlds(2).run(nonfinite_on_one_rank, value, kind):
+        assert name == "NonFiniteError", message
+        assert "NaN or Inf" in message and "disc.0.weight" in message and "gen." not in message, message
+        assert seconds < 10 and check == 2
+        if kind == "plain":  # averaging already spread it: every replica is poisoned, and says so
+            assert "restore a checkpoint" in message and not finite and not in_sync
+        elif kind == "overlap":  # the round was not applied: each rank keeps its own parameters
+            assert "not applied" in message and not in_sync
+        else:  # anchored rounds roll back: identical, finite replicas
+            assert "back at the anchor" in message and finite and in_sync
+
+
+def nonfinite_average_models(fabric):
+    (m,) = setup_models(fabric, m=mlp([2, 3, 1]))
+    with torch.no_grad():
+        if fabric.global_rank == 0:
+            m.module[0].bias[1] = float("inf")
+    return timed_error(lambda: average_models(fabric, m)), still_in_step()
+
+
+def test_average_models_checks_for_nonfinite_values(worlds):
+    for (name, message, _), check in worlds(2).run(nonfinite_average_models):
+        assert name == "NonFiniteError" and "0.bias" in message and check == 2
+
+
+# --- replicas_in_sync: parameters, buffers and non-finite values told apart ----------------------
+
+
+def sync_reports(fabric):
+    torch.manual_seed(0)
+    (m,) = setup_models(fabric, m=mlp([2, 4, 1], batch_norm=True))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(2):  # synchronous DDP: parameters identical, BatchNorm statistics rank-local
+        fabric.backward(m(torch.randn(4, 2) + fabric.global_rank).sum())
+        opt.step()
+        opt.zero_grad()
+    after_ddp = replicas_in_sync(fabric, m)
+    parameters_only = replicas_in_sync(fabric, m, buffers=False)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(float("nan"))  # the same NaN everywhere: bitwise equal, still not "in sync"
+    all_nan = replicas_in_sync(fabric, m)
+    return after_ddp, after_ddp.explain(), parameters_only, all_nan, all_nan.explain()
+
+
+def test_replicas_in_sync_tells_parameters_buffers_and_nonfinite_apart(worlds):
+    for after_ddp, explained, parameters_only, all_nan, nan_explained in worlds(2).run(sync_reports):
+        assert after_ddp.parameters_equal and not after_ddp.buffers_equal and not after_ddp
+        assert "buffers differ" in explained and "BatchNorm" in explained and "parameters differ" not in explained
+        assert parameters_only and not parameters_only.buffers_equal
+        assert all_nan.parameters_equal and not all_nan.finite and not all_nan
+        assert "NaN or Inf" in nan_explained
+
+
+# --- a process group this rank is not in ----------------------------------------------------------
+
+
+def group_without_this_rank(fabric):
+    group = dist.new_group([0, 1])  # every rank must call new_group; rank 2 is not a member
+    (m,) = setup_models(fabric, m=nn.Linear(2, 2))
+    errors = {}
+    if fabric.global_rank == 2:
+        for name, call in {
+            "Averager": lambda: Averager(fabric, m, period=2, process_group=group),
+            "average_models": lambda: average_models(fabric, m, process_group=group),
+            "replicas_in_sync": lambda: replicas_in_sync(fabric, m, process_group=group),
+        }.items():
+            errors[name] = timed_error(call)[:2]
+    else:
+        with Averager(fabric, m, period=1, process_group=group) as averager:  # members average among themselves
+            averager.step()
+        errors["members"] = bool(replicas_in_sync(fabric, m, process_group=group))
+    return errors, still_in_step()
+
+
+def test_a_group_without_this_rank_is_refused_at_construction(worlds):
+    results = worlds(3).run(group_without_this_rank)
+    for errors, check in results[:2]:
+        assert errors == {"members": True} and check == 3
+    errors, check = results[2]
+    assert check == 3
+    for name in ("Averager", "average_models", "replicas_in_sync"):
+        kind, message = errors[name]
+        assert kind == "ValueError" and "does not contain this rank (2)" in message and "[0, 1]" in message
+
+
+# --- Averager.load_state_dict validates what it is given ----------------------------------------
+
+
+BAD_STATES = {
+    "negative steps": ({"steps": -1}, ValueError, "`steps`"),
+    "float rounds": ({"rounds": 2.5}, ValueError, "`rounds`"),
+    "synced beyond steps": ({"synced_at_step": 99}, ValueError, "beyond `steps`"),
+    "bytes below elements": ({"elements_communicated": 10, "bytes_communicated": 1}, ValueError, "fewer bytes"),
+    "missing anchor": ({"anchor": None}, KeyError, "anchor"),
+    "anchor of another model": ({"anchor": [torch.zeros(3)]}, ValueError, "does not match"),
+}
+
+
+def load_bad_states(fabric):
+    (m,) = setup_models(fabric, m=nn.Linear(2, 2))
+    averager = Averager(fabric, m, period=2, outer_optimizer=NESTEROV)
+    good = averager.state_dict()
+    results = {}
+    for case, (change, _, _) in BAD_STATES.items():
+        state = {**good, **change}
+        if change.get("anchor", 0) is None:
+            del state["anchor"]
+        before = (averager.steps, averager.rounds)
+        try:
+            averager.load_state_dict(state)
+            results[case] = None
+        except (KeyError, ValueError) as error:
+            results[case] = (type(error).__name__, str(error), (averager.steps, averager.rounds) == before)
+    return results
+
+
+def test_load_state_dict_refuses_corrupt_counters_and_changes_nothing(worlds):
+    results = worlds(2).run(load_bad_states)[0]
+    for case, (_, error_type, words) in BAD_STATES.items():
+        assert results[case] is not None, f"{case} was accepted"
+        kind, message, unchanged = results[case]
+        assert kind == error_type.__name__ and words in message and unchanged, (case, message)
