@@ -1,0 +1,204 @@
+"""Checkpoints that survive a kill: atomic, checked writes and loads that say in one line what is wrong.
+
+``fabric.save`` stages a checkpoint in ``$TMPDIR`` and moves it; when the target is on another
+filesystem that move rewrites the old checkpoint in place, so a kill in the middle leaves neither
+the old nor the new one, and staged files leak. :func:`save_checkpoint` writes a temporary file
+next to the target, flushes it to disk and renames it over the target, so the previous checkpoint
+stays whole until the new one is complete. :func:`load_checkpoint` verifies the file (zip CRCs,
+finite tensors, expected keys) before it changes anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import nn
+
+from fabric_multimodel.models import _builds_plain_ddp
+
+#: Temporary files are named ``.<name>.tmp-<pid>`` beside their target (see :func:`remove_stale_temporaries`).
+TEMPORARY_INFIX = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message names the file and the reason, in one line.
+
+    Example::
+
+        try:
+            load_checkpoint(fabric, path, state)
+        except CheckpointError as error:
+            sys.exit(f"train.py: error: {error}")
+    """
+
+
+def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically; call it on every rank (rank 0 writes).
+
+    Modules, optimizers and anything with a ``state_dict()`` (an :class:`Averager`) are saved
+    through it, as ``fabric.save`` does. Rank 0 writes ``.<name>.tmp-<pid>`` in the same folder,
+    flushes it to disk and renames it over ``path``: a kill at any moment leaves either the previous
+    checkpoint or the new one, whole. Sharded strategies (FSDP, DeepSpeed) save differently; for
+    them this calls ``fabric.save``.
+
+    Example::
+
+        averager.sync()
+        save_checkpoint(fabric, out / "checkpoint.pt", {"gen": gen, "opt_g": opt_g, "averager": averager, "step": step})
+    """
+    path = Path(path)
+    if not isinstance(fabric.strategy, (DDPStrategy, SingleDeviceStrategy)) or not _builds_plain_modules(fabric):
+        fabric.save(path, dict(state))
+        return path
+    converted = {key: value.state_dict() if callable(getattr(value, "state_dict", None)) else value for key, value in state.items()}
+    if fabric.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}{TEMPORARY_INFIX}{os.getpid()}")
+        try:
+            with temporary.open("wb") as f:
+                torch.save(converted, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+        _fsync_folder(path.parent)
+    fabric.barrier()
+    return path
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete temporary files that a killed :func:`save_checkpoint` left in ``folder``; returns them.
+
+    Example::
+
+        if fabric.is_global_zero:
+            remove_stale_temporaries(out)
+    """
+    folder = Path(folder)
+    stale = [p for p in folder.glob(f".*{TEMPORARY_INFIX}*") if p.is_file()] if folder.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def read_checkpoint(path: str | os.PathLike, expected: Iterable[str] = ()) -> dict[str, Any]:
+    """Read and verify a checkpoint without loading it into anything; raises :class:`CheckpointError`.
+
+    Checks that the file exists and is not empty, that it is a PyTorch zip archive whose every
+    member matches its CRC (a flipped byte anywhere is found), that it loads with
+    ``weights_only=True``, that it holds the ``expected`` keys, and that every floating-point
+    tensor in it is finite.
+
+    Example::
+
+        checkpoint = read_checkpoint("runs/gan/checkpoint.pt", expected=["gen", "disc", "step"])
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path}: the file is empty (a save that never finished?)")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise CheckpointError(f"{path}: not a complete PyTorch checkpoint (truncated or foreign: {error})") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: corrupted (the CRC of {bad} does not match)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: cannot be loaded ({first})") from None
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path}: holds a {type(checkpoint).__name__}, not a checkpoint dictionary")
+    missing = [key for key in expected if key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{path}: not written by this script (it has no {', '.join(missing)})")
+    nonfinite = _nonfinite(checkpoint)
+    if nonfinite:
+        raise CheckpointError(f"{path}: holds NaN or Inf in {', '.join(nonfinite[:5])}{' ...' if len(nonfinite) > 5 else ''}")
+    return checkpoint
+
+
+def load_checkpoint(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
+    """Verify ``path`` (see :func:`read_checkpoint`), then load it into ``state`` like ``fabric.load``.
+
+    Objects with ``load_state_dict`` (modules, optimizers, an :class:`Averager`) are restored in
+    place; plain values in ``state`` are replaced. Returns what the checkpoint holds beyond
+    ``state``. Every problem, including a model of other shapes, is a :class:`CheckpointError`
+    whose one-line message names the file; the file and the models' shapes are checked before
+    anything is loaded. Call it on every rank (each reads the file; no collective).
+
+    Example::
+
+        state = {"gen": gen, "opt_g": opt_g, "step": 0}
+        load_checkpoint(fabric, "runs/gan/checkpoint.pt", state)
+        start = state["step"]
+    """
+    path = Path(path)
+    checkpoint = read_checkpoint(path, expected=state)
+    for key, target in state.items():
+        if isinstance(target, nn.Module):
+            problem = _shape_mismatch(target.state_dict(), checkpoint[key])
+            if problem:
+                raise CheckpointError(f"{path}: `{key}` does not match this model ({problem})")
+    for key, target in state.items():
+        if callable(getattr(target, "load_state_dict", None)):
+            try:
+                target.load_state_dict(checkpoint[key])
+            except Exception as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                raise CheckpointError(f"{path}: `{key}` does not match ({first})") from None
+        else:
+            state[key] = checkpoint[key]
+    return {key: value for key, value in checkpoint.items() if key not in state}
+
+
+def _shape_mismatch(expected: Mapping[str, Any], saved: Any) -> str | None:
+    if not isinstance(saved, Mapping):
+        return f"a {type(saved).__name__} instead of a state dict"
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        return f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+    for name, tensor in expected.items():
+        other = saved[name]
+        if isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor) and tensor.shape != other.shape:
+            return f"{name} is {tuple(other.shape)} in the file, {tuple(tensor.shape)} here"
+    return None
+
+
+def _builds_plain_modules(fabric: Fabric) -> bool:
+    return isinstance(fabric.strategy, SingleDeviceStrategy) or _builds_plain_ddp(fabric.strategy)
+
+
+def _nonfinite(value: Any, prefix: str = "") -> list[str]:
+    if isinstance(value, torch.Tensor):
+        return [prefix] if value.is_floating_point() and not bool(torch.isfinite(value).all()) else []
+    if isinstance(value, float):
+        return [prefix] if not math.isfinite(value) else []
+    if isinstance(value, Mapping):
+        return [name for key, item in value.items() for name in _nonfinite(item, f"{prefix}.{key}" if prefix else str(key))]
+    if isinstance(value, (list, tuple)):
+        return [name for i, item in enumerate(value) for name in _nonfinite(item, f"{prefix}[{i}]")]
+    return []
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # not every platform opens folders
+        return
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
