@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,18 @@ from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRou
 Modules = nn.Module | Iterable[nn.Module]
 
 
+class HasDevice(Protocol):
+    """What the functions here read from ``fabric``: the device for their small collectives.
+
+    A launched ``Fabric`` has it; so does a ``LightningModule`` (the Trainer adapter passes one).
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+
 def average_models(
-    fabric: Fabric,
+    fabric: Fabric | HasDevice,
     modules: Modules,
     *,
     average_buffers: bool = True,
@@ -109,7 +119,7 @@ class SyncReport(NamedTuple):
 
 
 def replicas_in_sync(
-    fabric: Fabric, modules: Modules, *, process_group: ProcessGroup = None, buffers: bool = True
+    fabric: Fabric | HasDevice, modules: Modules, *, process_group: ProcessGroup = None, buffers: bool = True
 ) -> SyncReport:
     """Whether every parameter (and buffer) is bitwise equal on all ranks and finite. One small allreduce.
 
@@ -207,7 +217,7 @@ class Averager:
     local parameters (the other ranks' progress since the last round is not in it).
 
     Args:
-        fabric: the launched Fabric.
+        fabric: the launched Fabric (only its ``device`` is read; the Trainer adapter passes its LightningModule).
         modules: a module, an iterable of modules, or the :class:`Models` of :func:`setup_models`.
         period: average every ``period`` steps after warm-up.
         warmup_steps: synchronous steps before local steps begin.
@@ -234,7 +244,7 @@ class Averager:
 
     def __init__(
         self,
-        fabric: Fabric,
+        fabric: Fabric | HasDevice,
         modules: Modules,
         *,
         period: int,
