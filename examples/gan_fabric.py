@@ -30,18 +30,33 @@ import argparse
 import importlib.util
 import inspect
 import math
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from common import (
+    Checkpointer,
+    Parser,
+    Progress,
+    StopSignal,
+    add_averaging_arguments,
+    add_run_arguments,
+    averager_options,
+    check_arguments,
+    fail,
+    main,
+    mode_name,
+    resume,
+    run_config,
+    run_folder,
+    start_fabric,
+)
 from lightning_fabric import Fabric
 from lightning_fabric.loggers import CSVLogger
 from torch import nn
@@ -61,50 +76,22 @@ SYNC_BUFFERS = next(
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line and no usage block: with 4 processes the messages interleave.
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args() -> argparse.Namespace:
-    p = _Parser(prog="gan_fabric.py", description=__doc__.split("\n")[0])
+    p = Parser(
+        "gan_fabric.py", "Train a GAN on the 8-Gaussian ring with per-model DDP, frozen and (optionally) local SGD."
+    )
     p.add_argument("--dataset", choices=["ring", "digits"], default="ring")
     p.add_argument("--steps", type=int, default=3000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--period", type=int, default=0, help="0: synchronous DDP; N: average every N steps")
-    p.add_argument("--warmup-steps", type=int, default=500, help="synchronous steps before local SGD")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
-    p.add_argument("--log-every", type=int, default=0, help="0: every 10%% of --steps")
-    p.add_argument("--out", type=Path, default=Path("runs/gan"))
-    p.add_argument("--resume", type=Path, help="a checkpoint.pt written by this script")
-    p.add_argument("--devices", type=int, help="processes to start (default 1); under `fabric run`, set it there")
-    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
+    add_averaging_arguments(p, warmup_steps=500)
+    add_run_arguments(p)
     args = p.parse_args()
-    # Every rank runs this identically, before any collective, so a bad flag stops all of them.
-    for flag, minimum in [
-        ("steps", 1),
-        ("batch_size", 1),
-        ("period", 0),
-        ("warmup_steps", 0),
-        ("checkpoint_every", 0),
-        ("log_every", 0),
-        ("devices", 1),
-    ]:
-        value = getattr(args, flag)
-        if value is not None and value < minimum:
-            p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        p.error(f"--lr must be a positive number, got {args.lr}")
-    if args.resume is not None and not args.resume.is_file():
-        p.error(f"--resume {args.resume}: no such file")
+    check_arguments(p, args)
     if args.dataset == "digits" and importlib.util.find_spec("sklearn") is None:
         p.error("--dataset digits needs scikit-learn: pip install 'fabric-multimodel[digits]'")
-    if os.environ.get("LT_CLI_USED") == "1" and (args.devices is not None or args.accelerator != "auto"):
-        p.error("under `fabric run`, give --devices and --accelerator to `fabric run`, not to the script")
-    args.log_every = args.log_every or max(1, args.steps // 10)
+    args.out = run_folder(args, "gan", args.dataset, mode_name(args))
     return args
 
 
@@ -201,64 +188,38 @@ def save_picture(path: Path, samples: torch.Tensor) -> None:
     plt.close(fig)
 
 
-class Progress:
-    """Rank 0's progress: one self-updating line on a terminal, plain periodic lines in a log file."""
-
-    def __init__(self, total: int, every: int, enabled: bool) -> None:
-        self.total, self.every, self.enabled, self.tty = total, every, enabled, sys.stdout.isatty()
-        self.mark = (time.perf_counter(), 0)
-
-    def __call__(self, step: int, losses: dict[str, torch.Tensor]) -> None:
-        now, last = time.perf_counter(), step == self.total
-        due = now - self.mark[0] > 0.25 if self.tty else step % self.every == 0
-        if not self.enabled or not (due or last):
-            return
-        rate = (step - self.mark[1]) / (now - self.mark[0])
-        self.mark = (now, step)
-        text = f"step {step}/{self.total} " + " ".join(f"{k}={v.item():.3f}" for k, v in losses.items())
-        print(
-            f"\r{text} {rate:.0f} it/s\x1b[K" if self.tty else f"{text} {rate:.0f} it/s",
-            end="\n" if last or not self.tty else "",
-            flush=True,
-        )
-
-
-def main() -> None:
-    args = parse_args()
+def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
-    logger = CSVLogger(root_dir=args.out, name="logs")
-    if os.environ.get("LT_CLI_USED") == "1":
-        fabric = Fabric(loggers=logger)  # `fabric run` chose the devices, started the processes and the group
-    else:
-        fabric = Fabric(accelerator=args.accelerator, devices=args.devices or 1, loggers=logger)
-        fabric.launch()
+    fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args)
-    averager = None
-    if args.period:
-        averager = Averager(
-            fabric, [gen, disc], period=args.period, warmup_steps=args.warmup_steps, optimizers=[opt_g, opt_d]
-        )
-    state: dict[str, Any] = {"gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d, "step": 0, "grad_bytes": 0}
+    options = averager_options(args)
+    if options and not args.overlap_steps:
+        options["optimizers"] = [opt_g, opt_d]  # Adam moments averaged too, so a rank-0 checkpoint loses nothing
+    averager = Averager(fabric, [gen, disc], **options) if options else None
+    config = run_config(args, dataset=args.dataset, z_dim=z_dim)
+    state: dict[str, Any] = {
+        "gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d, "step": 0, "grad_bytes": 0, "config": config,
+    }  # fmt: skip
     if averager is not None:
         state["averager"] = averager
     if args.resume is not None:
-        try:
-            fabric.load(args.resume, state)  # into the objects above; plain values come back in `state`
-        except KeyError as err:  # e.g. a checkpoint without an averager, resumed with --period
-            sys.exit(f"gan_fabric.py: error: --resume {args.resume} does not match the flags: {err}")
+        resume(fabric, args, state, config)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-        if state["step"] > args.steps:  # every rank read the same file: all stop here together
-            sys.exit(f"gan_fabric.py: error: {args.resume} is at step {state['step']}, beyond --steps {args.steps}")
-    checkpoint = args.out / "checkpoint.pt"
+        if state["step"] > args.steps:
+            fail(fabric, f"{args.resume} is at step {state['step']}, beyond --steps {args.steps}")
+    checkpointer = Checkpointer(fabric, args.out)
+    stop = StopSignal()
 
-    def save(step: int) -> None:
+    def save(step: int, sync: bool = True) -> Path:
+        if averager is not None and sync:
+            averager.sync()  # every replica (and its Adam moments) equal to what rank 0 writes
         state.update(step=step, grad_bytes=grad_bytes.bytes)
-        fabric.save(checkpoint, state)  # rank 0 writes; every rank must call it
+        return checkpointer.save(state)
 
-    # Different data on every rank (and after a resume); the same weights everywhere (seeded above).
+    # Different data on every rank (and after a resume); the same weights everywhere (seeded in build).
     data_gen = torch.Generator().manual_seed(hash((args.seed, fabric.global_rank, state["step"])))
     ones = torch.ones(args.batch_size, 1, device=fabric.device)
-    progress = Progress(args.steps, args.log_every, fabric.is_global_zero)
+    progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero)
     iter_seconds: list[float] = []
     wall = time.perf_counter()
     with averager or nullcontext():
@@ -283,25 +244,29 @@ def main() -> None:
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
-            progress(step, {"d_loss": d_loss, "g_loss": g_loss})
+            progress(step, lambda d=d_loss, g=g_loss: {"d_loss": d.item(), "g_loss": g.item()})
             if step % args.log_every == 0 or step == args.steps:
                 metrics = {"d_loss": d_loss.item(), "g_loss": g_loss.item()}
                 if args.dataset == "ring" and fabric.is_global_zero:  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
+                if step < args.steps and stop.requested(fabric):
+                    path = save(step)
+                    fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
+                    return 143
             if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.steps:
-                if averager is not None:
-                    averager.sync()  # rank 0's copy (and Adam moments) become everyone's
                 save(step)
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
-    save(args.steps)
+    progress.close()
+    save(args.steps, sync=False)  # leaving the block averaged already
     fabric.logger.finalize("success")
     if not fabric.is_global_zero:
-        return
+        return None
 
     samples = generate(gen, EVAL_SAMPLES if args.dataset == "ring" else 64, z_dim)
-    save_picture(args.out / ("samples.png" if args.dataset == "ring" else "digits.png"), samples)
+    picture = args.out / ("samples.png" if args.dataset == "ring" else "digits.png")
+    save_picture(picture, samples)
     comm = grad_bytes.bytes + (averager.traffic.bytes if averager is not None else 0)
     # The median is a typical local step; the mean also carries the averaging rounds' share.
     iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
@@ -311,6 +276,7 @@ def main() -> None:
         result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
     else:
         result = "dataset=digits"
+    print(f"run folder: {args.out} (checkpoint.pt, logs/, {picture.name})", flush=True)
     print(
         f"final: steps={args.steps} {result} wall_s={wall:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
@@ -318,7 +284,8 @@ def main() -> None:
         f" rounds={averager.rounds if averager is not None else 0}",
         flush=True,
     )
+    return None
 
 
 if __name__ == "__main__":
-    main()
+    main(lambda: train(parse_args()))

@@ -18,7 +18,6 @@ from torch.optim import Optimizer
 from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
-    all_ranks_agree,
     all_reduce_mean_,
     check_member,
     describe_disagreement,
@@ -173,8 +172,9 @@ class Averager:
       ``(steps - warmup_steps) % period == 0``.
     - Leaving the block: a round, so every replica leaves identical. In the local phase it is issued
       even when no rank took a local step since the last round (it then changes nothing), so that
-      it can check that every rank called ``step()`` equally often. Leaving by exception issues no new collective; a round in flight is waited for
-      (every rank issued it) and discarded, and each replica keeps its own parameters.
+      it can check that every rank called ``step()`` equally often. Leaving by exception issues no
+      new collective; a round in flight is waited for (every rank issued it) and discarded, and
+      each replica keeps its own parameters.
 
     The schedule counts ``step()`` calls, never optimizer steps, so a GAN's two optimizers or a
     GradScaler that skips a step cannot make ranks disagree on when to average. Every round's
@@ -270,12 +270,14 @@ class Averager:
             )
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
             raise TypeError(
-                f"Averager: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None; got {comm_dtype!r}."
+                "Averager: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None;"
+                f" got {comm_dtype!r}."
             )
         if isinstance(outer_optimizer, Optimizer):
             raise TypeError(
                 "Averager: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
-                " given, not an optimizer: e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+                " given, not an optimizer: e.g."
+                " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
             )
         module_list = _module_list(modules, "Averager")
         optimizers = _check_optimizers(optimizers, "Averager")
@@ -326,7 +328,13 @@ class Averager:
             )
         elif comm_dtype is not None:
             self._round = DeltaRound(
-                tensors, names, n_params, process_group, comm_dtype=comm_dtype, overlap=overlap_steps > 0, check_finite=check_finite
+                tensors,
+                names,
+                n_params,
+                process_group,
+                comm_dtype=comm_dtype,
+                overlap=overlap_steps > 0,
+                check_finite=check_finite,
             )
         else:
             self._round = MeanRound(tensors, names, process_group, overlap=overlap_steps > 0, check_finite=check_finite)
@@ -407,7 +415,7 @@ class Averager:
             if self.steps == self.warmup_steps:
                 self._apply_phase()
                 if isinstance(self._round, DeltaRound):
-                    self._round.reset_anchor()
+                    self._round.anchor_parameters()
             return False
         if (self.steps - self.warmup_steps) % self.period:
             return False
@@ -425,7 +433,8 @@ class Averager:
             fabric.save("ckpt.pt", {"gen": gen, "opt_g": opt_g, "averager": averager})
         """
         self._finish_pending()
-        self._round_now(blocking=True)
+        if self.local or self.steps > self._synced_at_step:  # in warm-up, DDP keeps parameters identical
+            self._round_now(blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's counters (plain ints) and, for anchored rounds, the anchor and outer optimizer.
@@ -504,8 +513,10 @@ class Averager:
         label = f"averaging round {self.rounds + 1} at step {self.steps}"
         warming_up = self.steps < self.warmup_steps
         if warming_up and isinstance(self._round, DeltaRound):
-            self._round.reset_anchor()  # rounds in warm-up are plain means of the (DDP-synchronised) replicas
-        stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], warming_up or self.steps > self._synced_at_step)
+            self._round.anchor_parameters()  # warm-up moved them (identically): rounds here are plain means
+        stamp = Stamp(
+            self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at_step
+        )
         self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up)
         self.traffic += self._round.traffic
         if not blocking:
@@ -675,4 +686,3 @@ def _unwrap_steps(digits: int, near: int) -> int:
 
 def _shorten(text: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
-

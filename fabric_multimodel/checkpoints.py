@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import os
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning_fabric import Fabric
-from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning_fabric.strategies import SingleDeviceStrategy
 from torch import nn
 
 from fabric_multimodel.models import _builds_plain_ddp
@@ -55,10 +55,13 @@ def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str,
         save_checkpoint(fabric, out / "checkpoint.pt", {"gen": gen, "opt_g": opt_g, "averager": averager, "step": step})
     """
     path = Path(path)
-    if not isinstance(fabric.strategy, (DDPStrategy, SingleDeviceStrategy)) or not _builds_plain_modules(fabric):
+    if not _builds_plain_modules(fabric):
         fabric.save(path, dict(state))
         return path
-    converted = {key: value.state_dict() if callable(getattr(value, "state_dict", None)) else value for key, value in state.items()}
+    converted = {
+        key: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+        for key, value in state.items()
+    }
     if fabric.is_global_zero:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}{TEMPORARY_INFIX}{os.getpid()}")
@@ -121,23 +124,30 @@ def read_checkpoint(path: str | os.PathLike, expected: Iterable[str] = ()) -> di
         raise CheckpointError(f"{path}: cannot be loaded ({first})") from None
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{path}: holds a {type(checkpoint).__name__}, not a checkpoint dictionary")
-    missing = [key for key in expected if key not in checkpoint]
-    if missing:
-        raise CheckpointError(f"{path}: not written by this script (it has no {', '.join(missing)})")
+    _check_keys(path, checkpoint, expected)
     nonfinite = _nonfinite(checkpoint)
     if nonfinite:
-        raise CheckpointError(f"{path}: holds NaN or Inf in {', '.join(nonfinite[:5])}{' ...' if len(nonfinite) > 5 else ''}")
+        raise CheckpointError(
+            f"{path}: holds NaN or Inf in {', '.join(nonfinite[:5])}{' ...' if len(nonfinite) > 5 else ''}"
+        )
     return checkpoint
 
 
-def load_checkpoint(fabric: Fabric, path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(
+    fabric: Fabric,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    validate: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Verify ``path`` (see :func:`read_checkpoint`), then load it into ``state`` like ``fabric.load``.
 
     Objects with ``load_state_dict`` (modules, optimizers, an :class:`Averager`) are restored in
     place; plain values in ``state`` are replaced. Returns what the checkpoint holds beyond
     ``state``. Every problem, including a model of other shapes, is a :class:`CheckpointError`
     whose one-line message names the file; the file and the models' shapes are checked before
-    anything is loaded. Call it on every rank (each reads the file; no collective).
+    anything is loaded, and so is ``validate(checkpoint)``, which may raise :class:`CheckpointError`
+    (a run's settings that must match, say). Call it on every rank (each reads the file; no collective).
 
     Example::
 
@@ -146,7 +156,10 @@ def load_checkpoint(fabric: Fabric, path: str | os.PathLike, state: dict[str, An
         start = state["step"]
     """
     path = Path(path)
-    checkpoint = read_checkpoint(path, expected=state)
+    checkpoint = read_checkpoint(path)
+    if validate is not None:
+        validate(checkpoint)
+    _check_keys(path, checkpoint, state)
     for key, target in state.items():
         if isinstance(target, nn.Module):
             problem = _shape_mismatch(target.state_dict(), checkpoint[key])
@@ -162,6 +175,12 @@ def load_checkpoint(fabric: Fabric, path: str | os.PathLike, state: dict[str, An
         else:
             state[key] = checkpoint[key]
     return {key: value for key, value in checkpoint.items() if key not in state}
+
+
+def _check_keys(path: Path, checkpoint: Mapping[str, Any], expected: Iterable[str]) -> None:
+    missing = [key for key in expected if key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{path}: not written by this script (it has no {', '.join(missing)})")
 
 
 def _shape_mismatch(expected: Mapping[str, Any], saved: Any) -> str | None:
@@ -187,7 +206,9 @@ def _nonfinite(value: Any, prefix: str = "") -> list[str]:
     if isinstance(value, float):
         return [prefix] if not math.isfinite(value) else []
     if isinstance(value, Mapping):
-        return [name for key, item in value.items() for name in _nonfinite(item, f"{prefix}.{key}" if prefix else str(key))]
+        return [
+            name for key, item in value.items() for name in _nonfinite(item, f"{prefix}.{key}" if prefix else str(key))
+        ]
     if isinstance(value, (list, tuple)):
         return [name for i, item in enumerate(value) for name in _nonfinite(item, f"{prefix}[{i}]")]
     return []

@@ -166,7 +166,9 @@ def _builds_plain_ddp(strategy: Any) -> bool:
     return isinstance(strategy, DDPStrategy) and type(strategy).setup_module is DDPStrategy.setup_module
 
 
-def _check_agreement(fabric: Fabric, ddp_kwargs: Mapping[str, Mapping[str, Any]], models: Mapping[str, nn.Module]) -> None:
+def _check_agreement(
+    fabric: Fabric, ddp_kwargs: Mapping[str, Mapping[str, Any]], models: Mapping[str, nn.Module]
+) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
 

@@ -86,7 +86,9 @@ class Header:
         self.size = world * self.SLOTS
 
     def write(self, slots: torch.Tensor, stamp: Stamp) -> None:
-        digits = _digits(stamp.steps, self.STEP_DIGITS) + _digits(stamp.layout, self.LAYOUT_DIGITS) + [int(stamp.progress)]
+        digits = (
+            _digits(stamp.steps, self.STEP_DIGITS) + _digits(stamp.layout, self.LAYOUT_DIGITS) + [int(stamp.progress)]
+        )
         slots.zero_()
         start = self.rank * self.SLOTS
         slots[start : start + self.SLOTS] = torch.tensor(digits, dtype=slots.dtype)
@@ -155,7 +157,9 @@ class Round:
             ]
         devices = {flat.device for flat in self.storage.buffers}
         if len(devices) > 1:
-            raise ValueError(f"`comm_dtype` needs every averaged tensor on one device, found {sorted(map(str, devices))}.")
+            raise ValueError(
+                f"`comm_dtype` needs every averaged tensor on one device, found {sorted(map(str, devices))}."
+            )
         total = sum(self.storage.sizes) + self.header.size
         return [torch.zeros(total, dtype=comm_dtype, device=devices.pop())]
 
@@ -217,7 +221,9 @@ class Round:
             raise self._peer_error(error) from error
         head = self.send[0][-self.header.size :]
         if self.check_finite:
-            total = torch.stack([s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self.send])
+            total = torch.stack(
+                [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self.send]
+            )
             values = torch.cat([head.double(), total.double()]).tolist()
             finite = all(map(_isfinite, values[self.header.size :]))
         else:
@@ -247,8 +253,9 @@ class Round:
                 pass  # the caller is already failing; a peer that is gone is its concern, not ours
 
     def _peer_error(self, error: BaseException) -> AveragingError:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return AveragingError(
-            f"{self._label} failed: a peer exited or is unreachable ({type(error).__name__}: {str(error).splitlines()[0]})"
+            f"{self._label} failed: a peer exited or is unreachable ({type(error).__name__}: {first})"
         )
 
     def _fill(self) -> None:
@@ -276,7 +283,13 @@ class MeanRound(Round):
     """
 
     def __init__(
-        self, tensors: Sequence[torch.Tensor], names: Sequence[str], group: ProcessGroup, *, overlap: bool, check_finite: bool
+        self,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str],
+        group: ProcessGroup,
+        *,
+        overlap: bool,
+        check_finite: bool,
     ) -> None:
         super().__init__(tensors, names, group, overlap=overlap, check_finite=check_finite, in_place=not overlap)
         self.snapshot = self.storage.mirror() if overlap else []
@@ -353,17 +366,21 @@ class DeltaRound(Round):
         for i in range(n_params):
             b, offset, numel = self.storage.slots[i]
             self._param_end[b] = max(self._param_end[b], offset + numel)
-        self.reset_anchor()
+        self.anchor_parameters()
 
-    def reset_anchor(self) -> None:
-        """Anchor the parameters where they are now (identical on every rank) and the buffers at zero."""
+    def anchor_parameters(self) -> None:
+        """Anchor the parameters where they are now (identical on every rank under DDP).
+
+        Buffers keep their anchor: zero until the first round, then their mean, identical everywhere.
+        """
         with torch.no_grad():
             for anchor, x, end in zip(self.anchor, self.storage.data, self._param_end):
                 anchor[:end].copy_(x[:end])
-                anchor[end:].zero_()
 
     def _fill(self) -> None:
-        for x, anchor, region, snap in zip(self.storage.data, self.anchor, self._regions(), self.snapshot or self.storage.data):
+        for x, anchor, region, snap in zip(
+            self.storage.data, self.anchor, self._regions(), self.snapshot or self.storage.data
+        ):
             if self._blocking:
                 torch.sub(anchor, x, out=x)  # the parameters are rebuilt from the anchor when the round finishes
                 if not self.in_place:
@@ -403,7 +420,10 @@ class DeltaRound(Round):
     def _rollback(self) -> str:
         for x, anchor in zip(self.storage.data, self.anchor):
             x.copy_(anchor)
-        return "the parameters are back at the anchor (the last averaged state), identical on every rank"
+        return (
+            "the parameters are back at the anchor (the last averaged state; buffers that were never averaged"
+            " are zero), identical on every rank"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"anchor": [a.clone() for a in self.anchor]}

@@ -48,7 +48,12 @@ def outer_lr1_vs_plain(fabric, seed, hidden, period, warmup_steps, steps, batch_
         averager = Averager(fabric, m, period=period, warmup_steps=warmup_steps, outer_optimizer=outer)
         with averager:
             train(fabric, m, averager, steps, seed)
-        results.append((torch.cat([flat_params(m), *[b.double().reshape(-1) for b in m.buffers() if b.is_floating_point()]]), averager.rounds))
+        results.append(
+            (
+                torch.cat([flat_params(m), *[b.double().reshape(-1) for b in m.buffers() if b.is_floating_point()]]),
+                averager.rounds,
+            )
+        )
     (plain, plain_rounds), (outer, outer_rounds) = results
     return (plain - outer).abs().max().item(), plain_rounds == outer_rounds, bool(replicas_in_sync(fabric, m))
 
@@ -100,13 +105,12 @@ def test_two_rounds_match_a_hand_computed_nesterov_step(worlds, size):
     for start, after, grads_kept, sizes in worlds(size).run(two_outer_rounds, lr, momentum):
         # Rank r moved tensor i by (r+1) * round * (i+1) * 0.01: the mean pseudo-gradient is known.
         mean_rank = sum(r + 1 for r in range(size)) / size
-
-        def pseudo_gradient(round_number):
-            return torch.cat([torch.full((n,), mean_rank * round_number * (i + 1) * 0.01, dtype=torch.float64) for i, n in enumerate(sizes)])
-
+        unit = torch.cat(
+            [torch.full((n,), (i + 1) * 0.01 * mean_rank, dtype=torch.float64) for i, n in enumerate(sizes)]
+        )
         anchor, buf = start, None
         for round_number, actual in zip((1, 2), after):
-            g = pseudo_gradient(round_number)
+            g = unit * round_number
             buf = g.clone() if buf is None else momentum * buf + g  # torch SGD: first step copies the gradient
             anchor = anchor - lr * (g + momentum * buf)
             assert (actual - anchor).abs().max().item() < 1e-5, (round_number, actual - anchor)

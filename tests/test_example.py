@@ -10,6 +10,7 @@ import csv
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -108,7 +109,18 @@ def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 @pytest.fixture(scope="module")
 def local_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return train(tmp_path_factory.mktemp("period"), "--steps", "40", "--period", "4", "--warmup-steps", "10")
+    # Checkpoints only at the end: a periodic one would add a round (sync) to the schedule.
+    return train(
+        tmp_path_factory.mktemp("period"),
+        "--steps",
+        "40",
+        "--period",
+        "4",
+        "--warmup-steps",
+        "10",
+        "--checkpoint-every",
+        "0",
+    )
 
 
 def test_fabric_run_synchronous(sync_run: Run) -> None:
@@ -126,7 +138,8 @@ def test_fabric_run_synchronous(sync_run: Run) -> None:
 
 def test_fabric_run_writes_checkpoint_metrics_and_picture(sync_run: Run) -> None:
     checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
-    assert set(checkpoint) == {"gen", "disc", "opt_g", "opt_d", "step", "grad_bytes"}
+    assert set(checkpoint) == {"gen", "disc", "opt_g", "opt_d", "step", "grad_bytes", "config"}
+    assert checkpoint["config"]["period"] == 0 and checkpoint["config"]["dataset"] == "ring"
     assert checkpoint["step"] == 30
     assert checkpoint["grad_bytes"] == sync_run.final["comm"]
 
@@ -167,6 +180,8 @@ def test_resume_continues_to_the_total_steps(local_sgd_run: Run, tmp_path: Path)
         "4",
         "--warmup-steps",
         "10",
+        "--checkpoint-every",
+        "0",
         "--resume",
         str(local_sgd_run.out / "checkpoint.pt"),
     )
@@ -190,7 +205,19 @@ def test_script_launches_its_own_processes(tmp_path: Path) -> None:
 
 
 def test_single_process_communicates_nothing(tmp_path: Path) -> None:
-    result = train(tmp_path, "--steps", "20", "--period", "4", "--warmup-steps", "5", devices=1, launcher="python")
+    result = train(
+        tmp_path,
+        "--steps",
+        "20",
+        "--period",
+        "4",
+        "--warmup-steps",
+        "5",
+        "--checkpoint-every",
+        "0",
+        devices=1,
+        launcher="python",
+    )
     assert result.final["steps"] == 20
     assert result.final["comm"] == 0
     assert result.final["rounds"] == expected_rounds(0, 20, warmup=5, period=4)
@@ -204,6 +231,9 @@ def test_single_process_communicates_nothing(tmp_path: Path) -> None:
         (["--steps", "0"], "--steps"),
         (["--warmup-steps", "-1"], "--warmup-steps"),
         (["--lr", "nan"], "--lr"),
+        (["--timeout", "0"], "--timeout"),
+        (["--overlap-steps", "2"], "need --period"),
+        (["--period", "4", "--overlap-steps", "4"], "smaller than --period"),
         (["--resume", "no/such/checkpoint.pt"], "no/such/checkpoint.pt"),
         (["--steps", "many"], "'many'"),  # argparse's own errors are one line too
     ],
@@ -224,32 +254,106 @@ def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1 and "fabric run" in proc.stderr
 
 
-def resume_refused(checkpoint: Path, steps: int, out: Path) -> str:
+def resume_refused(checkpoint: Path, steps: int, out: Path, *flags: str) -> str:
     """Resume ``checkpoint`` with ``--period 4`` up to ``steps``; it must fail with one clean line."""
-    cmd = [
-        sys.executable,
-        SCRIPT,
-        "--out",
-        str(out),
-        "--steps",
-        str(steps),
-        "--period",
-        "4",
-        "--resume",
-        str(checkpoint),
-    ]
+    cmd = [sys.executable, SCRIPT, "--out", str(out), "--steps", str(steps), "--period", "4", *flags]
+    cmd += ["--resume", str(checkpoint)]
     proc = run(cmd)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     return proc.stderr.strip().splitlines()[-1]
 
 
 def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path) -> None:
-    assert "beyond --steps 20" in resume_refused(local_sgd_run.out / "checkpoint.pt", 20, tmp_path)
+    line = resume_refused(local_sgd_run.out / "checkpoint.pt", 20, tmp_path, "--warmup-steps", "10")
+    assert "beyond --steps 20" in line, line
 
 
 def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path) -> None:
-    # A synchronous run's checkpoint has no averager state to resume --period from.
-    assert "does not match the flags" in resume_refused(sync_run.out / "checkpoint.pt", 40, tmp_path)
+    # A synchronous run's checkpoint has no averager state to resume --period from; 4 processes wrote it.
+    line = resume_refused(sync_run.out / "checkpoint.pt", 40, tmp_path)
+    assert line.endswith("was written with --period 0 (now 4); resume with the same settings"), line
+
+
+def damaged(checkpoint: Path, folder: Path) -> dict[str, Path]:
+    """Copies of a good checkpoint, each broken in one way a real file breaks."""
+    data = checkpoint.read_bytes()
+    files = {name: folder / f"{name}.pt" for name in ("truncated", "empty", "foreign", "flipped", "nan", "text")}
+    files["truncated"].write_bytes(data[: len(data) // 2])
+    files["empty"].write_bytes(b"")
+    torch.save({"weights": torch.zeros(3)}, files["foreign"])
+    middle = data.index(b"data/0") + 200  # inside the first tensor's bytes
+    files["flipped"].write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
+    poisoned = torch.load(checkpoint, weights_only=True)
+    next(iter(poisoned["gen"].values())).view(-1)[0] = float("nan")
+    torch.save(poisoned, files["nan"])
+    files["text"].write_text("not a checkpoint\n")
+    return files
+
+
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("truncated", "not a complete PyTorch checkpoint"),
+        ("empty", "the file is empty"),
+        ("foreign", "not written by this script"),
+        ("flipped", "corrupted (the CRC of"),
+        ("nan", "holds NaN or Inf in gen."),
+        ("text", "not a complete PyTorch checkpoint"),
+    ],
+)
+def test_bad_resume_files_fail_with_one_line_naming_the_file(sync_run: Run, tmp_path: Path, kind, reason) -> None:
+    path = damaged(sync_run.out / "checkpoint.pt", tmp_path)[kind]
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path / "out"), "--steps", "40", "--resume", str(path)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and reason in lines[0], proc.stderr
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_default_run_folders_are_per_dataset_mode_and_seed(tmp_path: Path) -> None:
+    script = str(ROOT / SCRIPT)
+    for flags, folder in [
+        ([], "ring-sync-seed0"),
+        (["--period", "2", "--warmup-steps", "2", "--seed", "3"], "ring-period2-warmup2-seed3"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, script, "--steps", "6", *flags],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "runs" / "gan" / folder / "checkpoint.pt").is_file()
+        assert f"run folder: runs/gan/{folder}" in proc.stdout
+    # --resume without --out continues in the checkpoint's folder.
+    resumed = subprocess.run(
+        [sys.executable, script, "--steps", "9", "--resume", "runs/gan/ring-sync-seed0/checkpoint.pt"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert torch.load(tmp_path / "runs/gan/ring-sync-seed0/checkpoint.pt", weights_only=True)["step"] == 9
+
+
+def test_sigterm_writes_a_checkpoint_and_stops(tmp_path: Path) -> None:
+    cmd = [sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "100000", "--log-every", "20"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LT_")}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**clean, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first = proc.stdout.readline()  # the first progress line: training is under way
+        assert first.startswith("step 20/100000"), first
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    stopped = stdout.strip().splitlines()[-1]
+    assert stopped.startswith("stopped by SIGTERM at step ") and "--resume" in stopped, stdout
+    step = int(stopped.split("at step ")[1].split(";")[0])
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == step
+    assert not list(tmp_path.glob(".checkpoint.pt.tmp-*"))
 
 
 def test_digits(tmp_path: Path) -> None:

@@ -151,7 +151,9 @@ def test_collectives_only_at_launch_steps(worlds, period, overlap_steps, warmup_
         launches += due
     assert on_sync == {"all_reduce": 1}  # a round in flight is waited for (no new call), then one blocking round
     assert in_sync
-    assert on_exit == {"all_reduce": 1}  # a round that checks the schedule and changes nothing after sync()
+    # In the local phase, leaving sends a round that checks the schedule (and changes nothing after
+    # sync()); in warm-up, DDP kept the replicas identical and there is nothing to send.
+    assert on_exit == ({"all_reduce": 1} if steps >= warmup_steps else {})
     assert rounds == launches + 1
 
 

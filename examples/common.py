@@ -1,0 +1,286 @@
+"""What the example scripts share: the command line, starting Fabric, run folders, progress, averaging
+options, checkpoints that survive kills, a clean stop on SIGTERM, and a clean exit.
+
+Each example stays a plain Fabric training loop; the plumbing that makes it dependable lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from lightning_fabric import Fabric
+from lightning_fabric.strategies import DDPStrategy
+
+from fabric_multimodel.checkpoints import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from fabric_multimodel.launch import shutdown
+
+UNDER_CLI = os.environ.get("LT_CLI_USED") == "1"  # started by `fabric run`, which owns devices and processes
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (4 processes would interleave a usage block) and defaults in --help."""
+
+    def __init__(self, prog: str, description: str) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) -> None:
+    g = p.add_argument_group("averaging (local SGD and DiLoCo)")
+    g.add_argument("--period", type=int, default=0, help="0: synchronous DDP; N: average every N steps after warm-up")
+    g.add_argument("--warmup-steps", type=int, default=warmup_steps, help="synchronous steps before local steps")
+    g.add_argument("--overlap-steps", type=int, default=0, help="merge each round this many steps after its launch")
+    g.add_argument("--outer", choices=["none", "nesterov"], default="none", help="nesterov: DiLoCo's outer step")
+    g.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
+    g.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
+    g.add_argument("--comm-dtype", choices=["float32", "bfloat16"], default="float32", help="what a round sends")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--out", type=Path, help="run folder (default: runs/<example>/<settings>-seed<seed>)")
+    g.add_argument("--resume", type=Path, help="a checkpoint.pt written by this script, with the same settings")
+    g.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        help="steps between checkpoints (default: 10%% of --steps; 0: only at the end)",
+    )
+    g.add_argument(
+        "--log-every", type=int, default=None, help="steps between log lines and stop checks (default: 10%% of --steps)"
+    )
+    g.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a collective may wait for a peer before failing"
+    )
+    g.add_argument(
+        "--devices", type=int, help="processes to start (default 1); under `fabric run`, give it to `fabric run`"
+    )
+    g.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks every example makes; every rank runs them before any collective, so a bad flag stops all."""
+    minimums = {
+        "steps": 1, "batch_size": 1, "period": 0, "warmup_steps": 0, "overlap_steps": 0,
+        "checkpoint_every": 0, "log_every": 1, "devices": 1,
+    }  # fmt: skip
+    for flag, minimum in minimums.items():
+        value = getattr(args, flag, None)
+        if value is not None and value < minimum:
+            p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
+    for flag in ("lr", "outer_lr", "timeout"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    if not 0 <= args.outer_momentum < 1:
+        p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    if args.period == 0 and (args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32"):
+        p.error("--overlap-steps, --outer and --comm-dtype need --period N (averaging rounds)")
+    if args.overlap_steps and args.overlap_steps >= args.period:
+        p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
+    if args.resume is not None and not args.resume.is_file():
+        p.error(f"--resume {args.resume}: no such file")
+    if UNDER_CLI and (args.devices is not None or args.accelerator != "auto"):
+        p.error("under `fabric run`, give --devices and --accelerator to `fabric run` (before the script path)")
+    if args.log_every is None:
+        args.log_every = max(1, args.steps // 10)
+    if args.checkpoint_every is None:
+        args.checkpoint_every = max(1, args.steps // 10)
+
+
+def mode_name(args: argparse.Namespace) -> str:
+    """A short name for the averaging settings, for run folders: ``sync``, ``period8-warmup500-nesterov``..."""
+    if not args.period:
+        return "sync"
+    parts = [f"period{args.period}", f"warmup{args.warmup_steps}"]
+    parts += [f"overlap{args.overlap_steps}"] if args.overlap_steps else []
+    parts += [f"nesterov{args.outer_lr:g}-{args.outer_momentum:g}"] if args.outer != "none" else []
+    parts += ["bf16"] if args.comm_dtype == "bfloat16" else []
+    return "-".join(parts)
+
+
+def run_folder(args: argparse.Namespace, example: str, *settings: str) -> Path:
+    """``--out``, else the folder of ``--resume``, else ``runs/<example>/<settings>-seed<seed>``."""
+    if args.out is not None:
+        return args.out
+    if args.resume is not None:
+        return args.resume.parent
+    return Path("runs") / example / "-".join([*settings, f"seed{args.seed}"])
+
+
+def start_fabric(args: argparse.Namespace, **kwargs: Any) -> Fabric:
+    """A launched Fabric: from `fabric run`'s settings, or starting ``--devices`` processes itself.
+
+    With several processes, a collective that waits longer than ``--timeout`` for a peer (a stalled
+    or dead rank) fails instead of hanging for the default 30 minutes.
+    """
+    world = int(os.environ["WORLD_SIZE"]) if UNDER_CLI else (args.devices or 1)
+    strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if world > 1 else "auto"
+    if UNDER_CLI:
+        return Fabric(strategy=strategy, **kwargs)  # `fabric run` started the processes and the group
+    fabric = Fabric(accelerator=args.accelerator, devices=args.devices or 1, strategy=strategy, **kwargs)
+    fabric.launch()
+    return fabric
+
+
+def averager_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Averager's keyword arguments for ``--period`` and friends (empty for synchronous DDP)."""
+    if not args.period:
+        return {}
+    options: dict[str, Any] = {
+        "period": args.period,
+        "warmup_steps": args.warmup_steps,
+        "overlap_steps": args.overlap_steps,
+    }
+    if args.outer == "nesterov":
+        options["outer_optimizer"] = functools.partial(
+            torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True, foreach=True
+        )
+    if args.comm_dtype == "bfloat16":
+        options["comm_dtype"] = torch.bfloat16
+    return options
+
+
+def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint (the number of processes may
+    change: the checkpoint holds one replica, averaged before it was written)."""
+    flags = (
+        "batch_size",
+        "lr",
+        "seed",
+        "period",
+        "warmup_steps",
+        "overlap_steps",
+        "outer",
+        "outer_lr",
+        "outer_momentum",
+        "comm_dtype",
+    )
+    return {**{flag: getattr(args, flag) for flag in flags}, **more}
+
+
+def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], config: Mapping[str, Any]) -> None:
+    """Load ``--resume`` into ``state`` (every rank reads it); any problem is one line and exit code 2.
+
+    ``state["config"]`` must hold what :func:`run_config` returned for the run that wrote it.
+    """
+
+    def same_settings(checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("config")
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{args.resume}: not written by this script (it has no config)")
+        differences = [
+            f"{_flag(k)} {saved[k]!r} (now {config[k]!r})" for k in config if k in saved and saved[k] != config[k]
+        ]
+        if differences:
+            raise CheckpointError(
+                f"{args.resume} was written with {', '.join(differences)}; resume with the same settings"
+            )
+
+    try:
+        load_checkpoint(fabric, args.resume, state, validate=same_settings)
+    except CheckpointError as error:
+        fail(fabric, f"--resume {error}")
+
+
+def fail(fabric: Fabric, message: str) -> NoReturn:
+    """Exit with code 2 and one line on rank 0 (every rank reached the same verdict on its own)."""
+    if fabric.is_global_zero:
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+class StopSignal:
+    """SIGTERM asks for a checkpoint and a clean stop; :meth:`requested` makes every rank agree on when.
+
+    The agreement is one small allreduce, made only where the loop asks (every ``--log-every`` steps),
+    so the local steps in between stay free of collectives.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def requested(self, fabric: Fabric) -> bool:
+        flag = torch.tensor([int(self.received)], device=fabric.device)
+        return bool(fabric.all_reduce(flag, reduce_op="sum").item()) if fabric.world_size > 1 else self.received
+
+
+class Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, a plain line every ``every`` steps in a log file."""
+
+    def __init__(self, total: int, start: int, every: int, enabled: bool, unit: str = "it") -> None:
+        self.total, self.every, self.enabled, self.unit = total, every, enabled, unit
+        self.mark = (time.perf_counter(), start)  # rates count from here: right after a resume too
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit=unit, dynamic_ncols=True, leave=True)
+
+    def __call__(self, step: int, metrics: Callable[[], dict[str, float]], scale: float = 1.0) -> None:
+        """Advance to ``step``; ``metrics()`` is only evaluated when something is shown; ``scale`` units per step."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            if step % self.every == 0 or step == self.total:
+                self.bar.set_postfix({k: f"{v:.3f}" for k, v in metrics().items()})
+            return
+        if step % self.every and step != self.total:
+            return
+        now = time.perf_counter()
+        rate = (step - self.mark[1]) * scale / max(now - self.mark[0], 1e-9)
+        self.mark = (now, step)
+        shown = " ".join(f"{k}={v:.3f}" for k, v in metrics().items())
+        print(f"step {step}/{self.total} {shown} {rate:,.0f} {self.unit}/s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Checkpointer:
+    """Periodic, atomic checkpoints in the run folder (stale temporaries from a killed save removed first)."""
+
+    def __init__(self, fabric: Fabric, folder: Path) -> None:
+        self.fabric, self.path = fabric, folder / "checkpoint.pt"
+        if fabric.is_global_zero:
+            for stale in remove_stale_temporaries(folder):
+                print(f"removed {stale}, left by a save that was interrupted", flush=True)
+
+    def save(self, state: Mapping[str, Any]) -> Path:
+        return save_checkpoint(self.fabric, self.path, state)
+
+
+def main(run: Callable[[], int | None]) -> None:
+    """Run an example's ``run()`` and end the process cleanly: ``run`` returns, its models and the process
+    group go away, and only then does the interpreter exit (see :func:`fabric_multimodel.launch.shutdown`)."""
+    try:
+        code = run()
+    finally:
+        shutdown()
+    sys.stdout.flush()
+    raise SystemExit(code or 0)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-") if not key.startswith("model") else key
