@@ -16,6 +16,7 @@ from torch import nn
 from fabric_multimodel import Averager, average_models, replicas_in_sync, setup_models
 from fabric_multimodel.launch import run_world
 from tests.gan import mlp
+from tests.worlds import run_faulty_world
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
@@ -320,3 +321,47 @@ def test_load_state_dict_refuses_corrupt_counters_and_changes_nothing(worlds):
         assert results[case] is not None, f"{case} was accepted"
         kind, message, unchanged = results[case]
         assert kind == error_type.__name__ and words in message and unchanged, (case, message)
+
+
+# --- a peer that dies or stalls ---------------------------------------------------------------------
+
+
+def peer_dies_or_stalls(fabric, fault, phase):
+    """Rank 1 is killed (SIGKILL) or stalls for a minute at step 5; rank 0 trains on."""
+    import os
+    import signal
+
+    torch.manual_seed(0)
+    (m,) = setup_models(fabric, m=nn.Linear(3, 2))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with Averager(fabric, m, period=3, warmup_steps=10 if phase == "warm-up" else 2) as averager:
+        for step in range(1, 15):
+            if fabric.global_rank == 1 and step == 5:
+                if fault == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(60)
+            fabric.backward(m(torch.randn(4, 3)).sum())
+            opt.step()
+            opt.zero_grad()
+            averager.step()
+    return "finished"
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+@pytest.mark.parametrize("phase", ["warm-up", "local"])
+def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase):
+    timeout_s = 5
+    survivor, peer = run_faulty_world(2, peer_dies_or_stalls, fault, phase, timeout_s=timeout_s, deadline_s=90)
+    assert survivor is not None and survivor.error is not None, survivor
+    _, seconds = survivor.value
+    if phase == "local":  # the next round says which round and step, and why
+        assert survivor.error.startswith(
+            "AveragingError: averaging round 1 at step 5 failed: a peer exited or is unreachable"
+        ), survivor.error
+    else:  # DDP's own gradient allreduce fails first, with gloo's message
+        assert "RuntimeError" in survivor.error or "DistBackendError" in survivor.error, survivor.error
+    # A dead peer is noticed at once; a stalled one after the process group's timeout, not 30 minutes.
+    assert seconds < (timeout_s + 15 if fault == "stalled" else 15), seconds
+    if fault == "stalled":
+        assert seconds >= timeout_s - 1 and "timed out" in survivor.error.lower(), (seconds, survivor.error)
+    assert peer is None or fault == "stalled"

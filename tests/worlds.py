@@ -109,3 +109,59 @@ class World:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+def _fault_worker(
+    rank: int, size: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple, conn: Any
+) -> None:
+    import time
+
+    fabric = join_local_world(rank, size, port, timeout_s)
+    start = time.monotonic()
+    try:
+        outcome = Outcome(value=(fn(fabric, *args), time.monotonic() - start))
+    except BaseException as exc:
+        outcome = Outcome(value=(None, time.monotonic() - start), error=f"{type(exc).__name__}: {exc}")
+    conn.send(outcome)
+
+
+def run_faulty_world(
+    size: int, fn: Callable[..., Any], *args: Any, timeout_s: float, wait_for: int = 0, deadline_s: float = 120.0
+) -> list[Outcome | None]:
+    """Run ``fn(fabric, *args)`` in a fresh world whose ranks may die or stall on purpose.
+
+    Collectives time out after ``timeout_s``. Each rank's :class:`Outcome` has ``value = (result,
+    seconds)`` (seconds from the start of ``fn``) and ``error`` if it raised; None for a rank that
+    died or had not answered when rank ``wait_for`` answered (or by ``deadline_s``). Every process
+    is killed before returning.
+    """
+    import time
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    conns, procs = [], []
+    for rank in range(size):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_fault_worker, args=(rank, size, port, timeout_s, fn, args, child), daemon=True)
+        proc.start()
+        child.close()
+        conns.append(parent)
+        procs.append(proc)
+    outcomes: list[Outcome | None] = [None] * size
+    deadline = time.monotonic() + deadline_s
+    pending = dict(enumerate(conns))
+    while wait_for in pending and time.monotonic() < deadline:
+        for rank, conn in list(pending.items()):
+            if conn.poll(0.05):
+                try:
+                    outcomes[rank] = conn.recv()
+                except EOFError:
+                    pass  # the rank died without answering
+                del pending[rank]
+            elif not procs[rank].is_alive() and not conn.poll(0):
+                del pending[rank]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    return outcomes
