@@ -4,9 +4,15 @@ Methods, all on the same ranks, interleaved inside every repeat:
 
 - ``floor``: ``dist.all_reduce`` of a preallocated flat fp32 tensor with the model's element count.
 - ``floor+div`` (diagnostic): the floor followed by ``div_(world)``, the least a mean costs on gloo.
-- ``ours``: ``Averager.sync()`` (parameters live in flat storage; one in-place allreduce + divide).
+- ``ours``: an ``Averager`` round (parameters live in flat storage; one in-place allreduce + divide),
+  with its default NaN/Inf check; ``ours-nocheck``: the same with ``check_finite=False``.
+- ``ours-bf16``: plain averaging with ``comm_dtype=torch.bfloat16`` (sends ``param - anchor`` at half the bytes).
+- ``ours-diloco``: DiLoCo, an outer Nesterov step (lr 0.7, momentum 0.9, ``foreach=True``) on fp32 pseudo-gradients.
+- ``ours-diloco-bf16``: the same with bf16 pseudo-gradients.
 - ``pytorch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``.
 - ``per-tensor``: ``for p in params: dist.all_reduce(p.data); p.data.div_(world)`` (accelerate, torchft).
+- ``torchft`` / ``torchft-bucketized``: torchft 0.2.0's own ``DiLoCo`` round (``sync_every=1``, its
+  quorum and commit vote included), at 2 ranks, when torchft is installed (``pip install -e '.[peers]'``).
 
 Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 tensors) and an MLP of
 400 small tensors (~0.83M parameters). Usage::
@@ -16,9 +22,10 @@ Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 ten
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -26,14 +33,28 @@ from benchmarks import common  # noqa: E402
 from fabric_multimodel.launch import run_world  # noqa: E402
 
 NAME = "averaging_cost"
-METHODS = ("floor", "floor+div", "ours", "pytorch", "per-tensor")
-SUMMARY_METHODS = ("ours", "pytorch", "per-tensor")
+OURS = {  # method -> the Averager's options
+    "ours": {},
+    "ours-nocheck": {"check_finite": False},
+    "ours-bf16": {"comm_dtype": "bfloat16"},
+    "ours-diloco": {"outer_optimizer": "nesterov"},
+    "ours-diloco-bf16": {"outer_optimizer": "nesterov", "comm_dtype": "bfloat16"},
+}
+BASE_METHODS = ("floor", "floor+div", *OURS, "pytorch", "per-tensor")
+PEER_METHODS = ("torchft", "torchft-bucketized")
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 METHOD_LABELS = {
-    "floor": "floor (one flat allreduce)",
+    "floor": "floor (one flat fp32 allreduce)",
     "floor+div": "floor + one in-place divide (gloo has no AVG)",
-    "ours": "ours: Averager.sync()",
+    "ours": "ours: plain averaging (NaN/Inf check on)",
+    "ours-nocheck": "ours: plain averaging, check_finite=False",
+    "ours-bf16": "ours: plain averaging, bf16 payload",
+    "ours-diloco": "ours: DiLoCo outer Nesterov step, fp32",
+    "ours-diloco-bf16": "ours: DiLoCo outer Nesterov step, bf16",
     "pytorch": "PyTorch average_parameters",
     "per-tensor": "per-tensor allreduce",
+    "torchft": "torchft 0.2.0 DiLoCo round",
+    "torchft-bucketized": "torchft 0.2.0 DiLoCo round, bucketized",
 }
 MODELS = ("dcgan", "mlp400")
 MODEL_LABELS = {"dcgan": "DCGAN G+D", "mlp400": "MLP 400 tensors"}
@@ -81,8 +102,8 @@ def measure_world(fabric, models: list[str], repeats: int, warmup: int) -> list[
     return rows
 
 
-def _methods(fabric, model: str) -> tuple[dict, Any, int, int]:
-    """The calls to time for ``model``: {method: one round}, the entered Averager, elements, tensors."""
+def _methods(fabric, model: str) -> tuple[dict, list, int, int]:
+    """The calls to time for ``model``: {method: one round}, the entered Averagers, elements, tensors."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.model_averaging.utils import average_parameters
@@ -90,13 +111,25 @@ def _methods(fabric, model: str) -> tuple[dict, Any, int, int]:
     from fabric_multimodel import Averager, setup_models
 
     world = fabric.world_size
-    # Each method gets its own copy: PyTorch's average_parameters re-homes parameters into its
-    # concatenated buffer, which would detach them from the Averager's flat storage.
-    ours_models = setup_models(fabric, **build(model))
-    # Parameters only, so every method moves exactly the same elements (BatchNorm running
-    # statistics would add 1,792 elements to ours on the DCGAN pair).
-    averager = Averager(fabric, list(ours_models), period=1, average_buffers=False)
-    averager.__enter__()
+    calls = {}
+    averagers = []
+    for method, options in OURS.items():
+        # Each method gets its own copy: an Averager re-homes its parameters into flat storage.
+        options = dict(options)
+        if options.get("outer_optimizer") == "nesterov":
+            options["outer_optimizer"] = functools.partial(
+                torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True, foreach=True
+            )
+        if "comm_dtype" in options:
+            options["comm_dtype"] = getattr(torch, options["comm_dtype"])
+        # Parameters only, so every method moves the same elements (BatchNorm running statistics
+        # would add 1,792 elements on the DCGAN pair). period=1: every step() is a full round.
+        averager = Averager(
+            fabric, list(setup_models(fabric, **build(model))), period=1, average_buffers=False, **options
+        )
+        averager.__enter__()
+        averagers.append(averager)
+        calls[method] = averager.step
     pytorch_params = _params(build(model).values())
     per_tensor_params = _params(build(model).values())
     n_params = sum(p.numel() for p in pytorch_params)
@@ -119,51 +152,52 @@ def _methods(fabric, model: str) -> tuple[dict, Any, int, int]:
                 dist.all_reduce(p.data)
                 p.data.div_(world)
 
-    calls = {
-        "floor": floor_only,
-        "floor+div": floor_and_divide,
-        "ours": averager.sync,
-        "pytorch": pytorch,
-        "per-tensor": per_tensor,
-    }
-    return calls, averager, n_params, len(pytorch_params)
+    calls.update({"floor": floor_only, "floor+div": floor_and_divide, "pytorch": pytorch, "per-tensor": per_tensor})
+    if HAS_TORCHFT and world == 2:
+        from benchmarks.peers import torchft_diloco_round
+
+        for method, bucketize in (("torchft", False), ("torchft-bucketized", True)):
+            calls[method] = torchft_diloco_round(fabric, lambda: build(model), bucketize=bucketize)
+    return calls, averagers, n_params, len(pytorch_params)
 
 
 def measure_model(fabric, model: str, repeats: int, warmup: int) -> list[dict]:
     import torch.distributed as dist
 
     world, rank = fabric.world_size, fabric.global_rank
-    calls, averager, n_params, n_tensors = _methods(fabric, model)
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    calls, averagers, n_params, n_tensors = _methods(fabric, model)
+    methods = [m for m in (*BASE_METHODS, *PEER_METHODS) if m in calls]
+    times: dict[str, list[float]] = {m: [] for m in methods}
     bar = common.Progress(f"{model} at {world} ranks", warmup + repeats)
     for r in range(warmup + repeats):
         # Interleaved, and rotated so no method always runs first (or right after another).
-        order = METHODS[r % len(METHODS) :] + METHODS[: r % len(METHODS)]
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
         for method in order:
             elapsed = common.barrier_timed(calls[method])
             if r >= warmup:
                 times[method].append(elapsed)
         bar.advance()
     counted = {}
-    for method in METHODS:
+    for method in methods:
         dist.barrier()
         counted[method] = common.profile_call(calls[method])
         common.progress(f"{model} at {world} ranks: profiled one {method} round")
-    averager.__exit__(None, None, None)
+    for averager in averagers:
+        averager.__exit__(None, None, None)
     all_times = common.gather(times)
     all_counted = common.gather(counted)
     if rank != 0:
         return []
     rows = []
     floor_median = None
-    for method in METHODS:
+    for method in methods:
         # A round ends when its slowest rank is done: per repeat, the max over ranks.
         per_repeat = [max(rank_times[method][i] for rank_times in all_times) for i in range(repeats)]
         med = common.median(per_repeat)
         floor_median = med if method == "floor" else floor_median
         quartiles = _quartiles(per_repeat)
         collectives = all_counted[0][method]["collectives"]
-        reductions = [n for name, n, _ in collectives if name.endswith("all_reduce")]
+        reductions = [(n, dtypes) for name, n, dtypes in collectives if name.endswith("all_reduce")]
         rows.append(
             {
                 "model": model,
@@ -177,7 +211,8 @@ def measure_model(fabric, model: str, repeats: int, warmup: int) -> list[dict]:
                 "p75_ms": quartiles[1] * 1e3,
                 "ratio_to_floor": med / floor_median,
                 "allreduce_calls": len(reductions),
-                "elements_allreduced": sum(reductions),
+                "elements_allreduced": sum(n for n, _ in reductions),
+                "bytes_allreduced": sum(n * _dtype_bytes(dtypes) for n, dtypes in reductions),
                 "other_collectives": len(collectives) - len(reductions),
                 "extra_bytes": max(c[method]["peak_extra_bytes"] for c in all_counted),
                 "repeats": repeats,
@@ -198,22 +233,56 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
     return at(0.25), at(0.75)
 
 
+def _dtype_bytes(dtypes: tuple) -> int:
+    name = dtypes[0] if dtypes else "float"
+    return {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4}.get(name, 4)
+
+
+SUMMARY = (
+    "ours",
+    "ours-bf16",
+    "ours-diloco",
+    "ours-diloco-bf16",
+    "pytorch",
+    "per-tensor",
+    "torchft",
+    "torchft-bucketized",
+)
+
+
 def summary_table(rows: list[dict]) -> str:
+    """One line per model and world size: each method's time as a ratio to the floor, and the check's cost."""
     by_case: dict[tuple, dict[str, dict]] = {}
     for row in rows:
         by_case.setdefault((row["model"], row["ranks"]), {})[row["method"]] = row
-    headers = ["model", "params", "tensors", "ranks", "floor ms"]
-    for method in SUMMARY_METHODS:
-        headers += [f"{method} ms", f"{method} / floor"]
-    headers += ["extra memory: ours", "pytorch", "per-tensor"]
+    present = [m for m in SUMMARY if any(m in cells for cells in by_case.values())]
+    headers = ["model", "ranks", "floor ms", *present, "NaN/Inf check"]
     table = []
     for (model, ranks), cells in by_case.items():
-        first = cells["floor"]
-        line = [MODEL_LABELS[model], common.thousands(first["params"]), first["tensors"], ranks]
-        line.append(f"{first['median_ms']:.3f}")
-        for method in SUMMARY_METHODS:
-            line += [f"{cells[method]['median_ms']:.3f}", common.ratio(cells[method]["ratio_to_floor"])]
-        line += [common.human_bytes(cells[m]["extra_bytes"]) for m in ("ours", "pytorch", "per-tensor")]
+        line = [MODEL_LABELS[model], ranks, f"{cells['floor']['median_ms']:.2f}"]
+        line += [common.ratio(cells[m]["ratio_to_floor"]) if m in cells else "-" for m in present]
+        check = cells["ours"]["median_ms"] / cells["ours-nocheck"]["median_ms"] - 1
+        line.append(f"{100 * check:+.1f}%")
+        table.append(line)
+    return common.markdown_table(headers, table)
+
+
+def memory_table(rows: list[dict]) -> str:
+    """Peak extra bytes PyTorch's allocator held during one round, and the bytes each rank sent."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_case.setdefault((row["model"], row["ranks"]), {})[row["method"]] = row
+    present = [m for m in SUMMARY if any(m in cells for cells in by_case.values())]
+    headers = ["model", "ranks", "bytes sent: floor", *(f"{m} (sent / extra memory)" for m in present)]
+    table = []
+    for (model, ranks), cells in by_case.items():
+        line = [MODEL_LABELS[model], ranks, common.human_bytes(cells["floor"]["bytes_allreduced"])]
+        line += [
+            f"{common.human_bytes(cells[m]['bytes_allreduced'])} / {common.human_bytes(cells[m]['extra_bytes'])}"
+            if m in cells
+            else "-"
+            for m in present
+        ]
         table.append(line)
     return common.markdown_table(headers, table)
 
@@ -228,6 +297,7 @@ def detail_table(rows: list[dict]) -> str:
         "ratio to floor",
         "allreduce calls",
         "elements",
+        "bytes sent",
         "extra bytes",
     ]
     table = [
@@ -240,6 +310,7 @@ def detail_table(rows: list[dict]) -> str:
             common.ratio(r["ratio_to_floor"]),
             r["allreduce_calls"],
             common.thousands(r["elements_allreduced"]),
+            r["bytes_allreduced"],
             r["extra_bytes"],
         ]
         for r in rows
@@ -267,11 +338,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")
     print(common.machine_line(info, world_sizes=" ".join(map(str, args.world_sizes)), repeats=repeats, warmup=warmup))
     print()
-    print("Median ms per round over repeats (per repeat: the slowest rank), ratio to the floor, and the peak")
-    print("extra memory PyTorch's allocator held during one round beyond the model.\n")
+    print("Median ms per round over repeats (per repeat: the slowest rank), as a ratio to the floor; the last")
+    print("column is what the default NaN/Inf check adds to a plain round (ours vs ours-nocheck).\n")
     print(summary_table(rows))
+    print("\n## Bytes sent per rank and extra memory per round\n")
+    print(memory_table(rows))
     print("\n## Details (per method)\n")
     print(detail_table(rows))
+    if not HAS_TORCHFT:
+        print("\ntorchft is not installed (pip install -e '.[peers]'): no torchft rows.")
     for model in MODELS:
         first = next(r for r in rows if r["model"] == model)
         print(f"\n{MODEL_LABELS[model]}: {first['params']:,} parameters in {first['tensors']} tensors.", end="")
