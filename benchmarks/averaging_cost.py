@@ -22,6 +22,7 @@ Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 ten
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import sys
@@ -91,18 +92,18 @@ def _params(modules) -> list:
     return [p for m in modules for p in m.parameters()]
 
 
-def measure_world(fabric, models: list[str], repeats: int, warmup: int) -> list[dict]:
+def measure_world(fabric, models: list[str], repeats: int, warmup: int, peers: bool) -> list[dict]:
     """On every rank: time each method on each model, interleaved; then profile one call of each."""
     import torch.distributed as dist
 
     rows = []
     for model in models:
-        rows += measure_model(fabric, model, repeats, warmup)
+        rows += measure_model(fabric, model, repeats, warmup, peers)
         dist.barrier()
     return rows
 
 
-def _methods(fabric, model: str) -> tuple[dict, list, int, int]:
+def _methods(fabric, model: str, peers: bool) -> tuple[dict, list, int, int]:
     """The calls to time for ``model``: {method: one round}, the entered Averagers, elements, tensors."""
     import torch
     import torch.distributed as dist
@@ -153,7 +154,7 @@ def _methods(fabric, model: str) -> tuple[dict, list, int, int]:
                 p.data.div_(world)
 
     calls.update({"floor": floor_only, "floor+div": floor_and_divide, "pytorch": pytorch, "per-tensor": per_tensor})
-    if HAS_TORCHFT and world == 2:
+    if peers and HAS_TORCHFT and world == 2:
         from benchmarks.peers import torchft_diloco_round
 
         for method, bucketize in (("torchft", False), ("torchft-bucketized", True)):
@@ -161,11 +162,11 @@ def _methods(fabric, model: str) -> tuple[dict, list, int, int]:
     return calls, averagers, n_params, len(pytorch_params)
 
 
-def measure_model(fabric, model: str, repeats: int, warmup: int) -> list[dict]:
+def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) -> list[dict]:
     import torch.distributed as dist
 
     world, rank = fabric.world_size, fabric.global_rank
-    calls, averagers, n_params, n_tensors = _methods(fabric, model)
+    calls, averagers, n_params, n_tensors = _methods(fabric, model, peers)
     methods = [m for m in (*BASE_METHODS, *PEER_METHODS) if m in calls]
     times: dict[str, list[float]] = {m: [] for m in methods}
     bar = common.Progress(f"{model} at {world} ranks", warmup + repeats)
@@ -324,15 +325,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="ranks per world (default: 2 4)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per method (default: 60; quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds per method first (default: 5; quick: 1)")
+    p.add_argument(
+        "--peers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time torchft's DiLoCo round at 2 ranks, when installed (default: yes; quick: no)",
+    )
     args = p.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 60)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    peers = args.peers if args.peers is not None else not args.quick
     info = common.machine_info()
 
     rows: list[dict] = []
     for size in args.world_sizes:
         common.progress(f"starting a {size}-process gloo world ({repeats} repeats, {warmup} warm-up)")
-        rows += run_world(size, measure_world, list(MODELS), repeats, warmup)[0]
+        rows += run_world(size, measure_world, list(MODELS), repeats, warmup, peers)[0]
     elapsed = common.elapsed()
 
     print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")
@@ -345,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     print(memory_table(rows))
     print("\n## Details (per method)\n")
     print(detail_table(rows))
-    if not HAS_TORCHFT:
+    if peers and not HAS_TORCHFT:
         print("\ntorchft is not installed (pip install -e '.[peers]'): no torchft rows.")
     for model in MODELS:
         first = next(r for r in rows if r["model"] == model)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -29,23 +28,16 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from fabric_multimodel.launch import free_port, stop_process_tree  # noqa: E402
+from fabric_multimodel.launch import free_port, parse_final_line, stop_process_tree  # noqa: E402
 
 NAME = "averaging_period"
 EXAMPLE = common.REPO / "examples" / "gan_fabric.py"
 DEFAULT_PERIODS = (1, 2, 4, 8, 16, 32)
 
-FINAL_LINE = re.compile(
-    r"^final: steps=(?P<steps>\d+)"
-    r" modes_captured=(?P<modes_captured>\d+)/(?P<modes>\d+)"
-    r" high_quality=(?P<high_quality>\d+\.\d+)"
-    r" wall_s=(?P<wall_s>\d+\.\d+)"
-    r" iter_ms_median=(?P<iter_ms_median>\d+\.\d+|nan)"
-    r" iter_ms_mean=(?P<iter_ms_mean>\d+\.\d+|nan)"
-    r" comm_bytes=(?P<comm_bytes>\d+)"
-    r" comm_bytes_per_iter=(?P<comm_bytes_per_iter>\d+\.\d+)"
-    r" rounds=(?P<rounds>\d+)$"
-)
+FINAL_KEYS = (
+    "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean",
+    "comm_bytes", "comm_bytes_per_iter", "rounds",
+)  # fmt: skip
 
 
 class Final(NamedTuple):
@@ -64,32 +56,28 @@ class Final(NamedTuple):
 
 
 def parse_final(stdout: str) -> Final:
-    """Parse the example's ``final: ...`` line: the last line of ``stdout`` that starts with ``final:``.
+    """Parse the example's ``final: ...`` line (the last line of ``stdout`` that starts with ``final:``).
 
     Raises ValueError (quoting the end of the output) when there is none or it does not match the
     contract exactly.
     """
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    finals = [line for line in lines if line.startswith("final:")]
-    if not finals:
-        tail = "\n".join(lines[-5:])
-        raise ValueError(f"no 'final:' line in the example's output; it ended with:\n{tail}")
-    match = FINAL_LINE.match(finals[-1])
-    if match is None:
-        raise ValueError(f"the example's final line does not match the expected format: {finals[-1]!r}")
-    g = match.groupdict()
-    return Final(
-        steps=int(g["steps"]),
-        modes_captured=int(g["modes_captured"]),
-        modes=int(g["modes"]),
-        high_quality=float(g["high_quality"]),
-        wall_s=float(g["wall_s"]),
-        iter_ms_median=float(g["iter_ms_median"]),
-        iter_ms_mean=float(g["iter_ms_mean"]),
-        comm_bytes=int(g["comm_bytes"]),
-        comm_bytes_per_iter=float(g["comm_bytes_per_iter"]),
-        rounds=int(g["rounds"]),
-    )
+    g = parse_final_line(stdout, FINAL_KEYS)
+    captured, _, modes = g["modes_captured"].partition("/")
+    try:
+        return Final(
+            steps=int(g["steps"]),
+            modes_captured=int(captured),
+            modes=int(modes),
+            high_quality=float(g["high_quality"]),
+            wall_s=float(g["wall_s"]),
+            iter_ms_median=float(g["iter_ms_median"]),
+            iter_ms_mean=float(g["iter_ms_mean"]),
+            comm_bytes=int(g["comm_bytes"]),
+            comm_bytes_per_iter=float(g["comm_bytes_per_iter"]),
+            rounds=int(g["rounds"]),
+        )
+    except ValueError as error:
+        raise ValueError(f"the example's final line has a malformed value ({error}): {g}") from None
 
 
 class Setting(NamedTuple):

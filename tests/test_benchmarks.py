@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.averaging_period import Final, parse_final
-from benchmarks.common import markdown_table
+from fabric_multimodel.launch import parse_final_line
+from fabric_multimodel.rounds import Header
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_TIMEOUT_S = 600  # quick modes take ~15-90 s on 2 cores; leave room for a busy CI machine
@@ -91,30 +91,40 @@ def test_gan_comm_quick(tmp_path):
 def test_averaging_cost_quick(tmp_path):
     stdout = run_script("averaging_cost", tmp_path)
     assert "Machine:" in stdout
-    summary, details = markdown_tables(stdout)
-    assert len(summary) == 4  # 2 models x world sizes 2 and 4
-    methods = ("floor", "floor+div", "ours", "pytorch", "per-tensor")
+    summary, memory, details = markdown_tables(stdout)
+    assert len(summary) == len(memory) == 4  # 2 models x world sizes 2 and 4
+    ours = ("ours", "ours-nocheck", "ours-bf16", "ours-diloco", "ours-diloco-bf16")
+    methods = ("floor", "floor+div", *ours, "pytorch", "per-tensor")
     cases = {(row["model"], row["ranks"], row["method"]): row for row in details}
     assert set(cases) == {(m, r, k) for m in ("dcgan", "mlp400") for r in ("2", "4") for k in methods}
     for row in details:
         assert number(row["median ms"]) > 0
         assert math.isfinite(number(row["ratio to floor"]))
+    for row in summary:
+        assert row["NaN/Inf check"].endswith("%")
 
     rows = read_csv(tmp_path / "averaging_cost.csv")
     assert len(rows) == len(cases)
     by_case = {(r["model"], r["ranks"], r["method"]): r for r in rows}
     for model in ("dcgan", "mlp400"):
         for ranks in ("2", "4"):
-            floor, ours = by_case[(model, ranks, "floor")], by_case[(model, ranks, "ours")]
-            pytorch, per_tensor = by_case[(model, ranks, "pytorch")], by_case[(model, ranks, "per-tensor")]
-            n = int(floor["params"])
-            # Same elements, counted by the profiler; ours in one allreduce like the floor.
-            for method in methods:
+            floor, pytorch = by_case[(model, ranks, "floor")], by_case[(model, ranks, "pytorch")]
+            per_tensor = by_case[(model, ranks, "per-tensor")]
+            n, header = int(floor["params"]), Header.SLOTS * int(ranks)
+            # Same elements, counted by the profiler; ours in one allreduce like the floor, plus the
+            # round's header (each rank's step count), in the payload's dtype.
+            for method in ("floor", "floor+div", "pytorch", "per-tensor"):
                 assert int(by_case[(model, ranks, method)]["elements_allreduced"]) == n
-            assert int(ours["allreduce_calls"]) == int(floor["allreduce_calls"]) == 1
+            for method in ours:
+                row = by_case[(model, ranks, method)]
+                assert int(row["allreduce_calls"]) == 1 and int(row["elements_allreduced"]) == n + header
+                width = 2 if method.endswith("bf16") else 4
+                assert int(row["bytes_allreduced"]) == width * (n + header)
+                # Nothing proportional to the model is allocated in a round (buffers are made once).
+                assert int(row["extra_bytes"]) < 0.01 * 4 * n, (method, row["extra_bytes"])
+            assert int(floor["allreduce_calls"]) == 1
             assert int(per_tensor["allreduce_calls"]) == int(floor["tensors"])
-            # Memory: ours works in place; PyTorch concatenates a copy of the whole model.
-            assert int(ours["extra_bytes"]) < 0.01 * 4 * n
+            # PyTorch concatenates a copy of the whole model.
             assert int(pytorch["extra_bytes"]) >= 4 * n
     assert (int(by_case[("dcgan", "2", "floor")]["params"]), int(by_case[("dcgan", "2", "floor")]["tensors"])) == (
         6_085_888,
@@ -126,21 +136,24 @@ def test_averaging_cost_quick(tmp_path):
     )
 
 
-# --- averaging_period -------------------------------------------------------------------------
+# --- the final line every example ends with ------------------------------------------------------
 
 GOOD_FINAL = (
     "final: steps=3000 modes_captured=8/8 high_quality=0.950 wall_s=95.2 iter_ms_median=28.41"
     " iter_ms_mean=29.03 comm_bytes=431652000 comm_bytes_per_iter=143884.0 rounds=0"
 )
+KEYS = [
+    "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean",
+    "comm_bytes", "comm_bytes_per_iter", "rounds",
+]  # fmt: skip
 
 
-def test_parse_final_reads_the_example_contract():
+def test_parse_final_line_reads_the_last_final_line():
     stdout = f"step 3000/3000 d_loss=1.3 g_loss=0.7 100 it/s\n{GOOD_FINAL}\n"
-    assert parse_final(stdout) == Final(3000, 8, 8, 0.95, 95.2, 28.41, 29.03, 431652000, 143884.0, 0)
-    # The last final line wins; trailing blank lines are fine.
+    values = parse_final_line(stdout, KEYS)
+    assert values["modes_captured"] == "8/8" and values["high_quality"] == "0.950" and values["rounds"] == "0"
     earlier = GOOD_FINAL.replace("rounds=0", "rounds=5")
-    assert parse_final(f"{earlier}\n{GOOD_FINAL}\n\n").rounds == 0
-    assert math.isnan(parse_final(GOOD_FINAL.replace("28.41", "nan")).iter_ms_median)
+    assert parse_final_line(f"{earlier}\n{GOOD_FINAL}\n\n", KEYS)["rounds"] == "0"
 
 
 @pytest.mark.parametrize(
@@ -148,16 +161,19 @@ def test_parse_final_reads_the_example_contract():
     [
         "",
         "step 10/10 d_loss=1.0\n",
-        GOOD_FINAL.replace("modes_captured=8/8", "modes_captured=8"),
         GOOD_FINAL.replace(" rounds=0", ""),
         GOOD_FINAL.replace(" iter_ms_mean=29.03", ""),
         GOOD_FINAL + " extra=1",
-        GOOD_FINAL.replace("steps=3000", "steps=3e3"),
+        GOOD_FINAL.replace("rounds=0", "rounds="),
+        GOOD_FINAL.replace("steps=3000 modes", "modes"),
     ],
 )
-def test_parse_final_rejects_anything_else(stdout):
+def test_parse_final_line_rejects_anything_else(stdout):
     with pytest.raises(ValueError):
-        parse_final(stdout)
+        parse_final_line(stdout, KEYS)
+
+
+# --- averaging_period -------------------------------------------------------------------------
 
 
 def test_averaging_period_quick(tmp_path):
@@ -179,16 +195,3 @@ def test_averaging_period_quick(tmp_path):
         assert 0 <= float(row["modes_captured_mean"]) <= int(row["modes"])
         assert 0 <= float(row["high_quality_mean"]) <= 1
     assert len(read_csv(tmp_path / "averaging_period_runs.csv")) == 4
-
-
-# --- shared pieces ----------------------------------------------------------------------------
-
-
-def test_markdown_table_right_aligns_numbers_only():
-    text = markdown_table(["name", "ms", "ratio"], [["floor", "1.50", "1.00x"], ["ours", "12.25", "1.07x"]])
-    header, rule, first, second = text.splitlines()
-    assert rule.split("|")[1].endswith("-") and rule.split("|")[2].endswith(":") and rule.split("|")[3].endswith(":")
-    assert first == "| floor |  1.50 | 1.00x |"
-    assert markdown_tables(text) == [
-        [{"name": "floor", "ms": "1.50", "ratio": "1.00x"}, {"name": "ours", "ms": "12.25", "ratio": "1.07x"}]
-    ]
