@@ -35,13 +35,13 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from common import (
     Checkpointer,
+    GradientBytes,
     Parser,
     Progress,
     StopSignal,
@@ -50,6 +50,7 @@ from common import (
     averager_options,
     check_arguments,
     fail,
+    layout,
     main,
     mode_name,
     resume,
@@ -60,10 +61,9 @@ from common import (
 from lightning_fabric import Fabric
 from lightning_fabric.loggers import CSVLogger
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Averager, ddp_of, frozen, setup_models
+from fabric_multimodel import Averager, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -123,13 +123,7 @@ def digits_gan(z_dim: int) -> tuple[nn.Module, nn.Module, Sampler]:
     return gen, disc, lambda n, g: images[torch.randint(len(images), (n,), generator=g)]
 
 
-def count_and_allreduce(counter, bucket):  # unannotated: DDP checks annotations, and ours would be strings
-    """A DDP comm hook: add the gradient bytes this rank sends to ``counter``, then allreduce as DDP does."""
-    counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)  # None: the default process group
-
-
-def build(fabric: Fabric, args: argparse.Namespace) -> tuple[Any, ...]:
+def build(fabric: Fabric, args: argparse.Namespace, setup: dict[str, Any]) -> tuple[Any, ...]:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     if args.dataset == "ring":
         z_dim, ddp_kwargs = 2, None  # a 2-D latent for 2-D data covers the ring more reliably; no buffers
@@ -142,15 +136,11 @@ def build(fabric: Fabric, args: argparse.Namespace) -> tuple[Any, ...]:
         # rank 0 before each (a collective per forward, overwriting tensors autograd may have saved);
         # D only ever runs in training mode, so its running statistics are unused and can stay local.
         ddp_kwargs = {"disc": {SYNC_BUFFERS: False}}
-    gen, disc = setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=ddp_kwargs)
+    gen, disc = setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=ddp_kwargs, **setup)
     opt_g = torch.optim.Adam(gen.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(disc.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_g, opt_d = fabric.setup_optimizers(opt_g, opt_d)
-    grad_bytes = SimpleNamespace(bytes=0)
-    for model in (gen, disc):
-        if (ddp := ddp_of(model)) is not None:  # None in a single process: nothing is communicated
-            ddp.register_comm_hook(grad_bytes, count_and_allreduce)
-    return gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes
+    return gen, disc, opt_g, opt_d, sample_real, z_dim, GradientBytes([gen, disc])
 
 
 @torch.no_grad()
@@ -191,8 +181,9 @@ def save_picture(path: Path, samples: torch.Tensor) -> None:
 def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
-    gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args)
-    options = averager_options(args)
+    placement = layout(fabric, args)
+    gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
+    options = {**averager_options(args), **placement.averager} if args.period else {}
     if options and not args.overlap_steps:
         options["optimizers"] = [opt_g, opt_d]  # Adam moments averaged too, so a rank-0 checkpoint loses nothing
     averager = Averager(fabric, [gen, disc], **options) if options else None

@@ -522,8 +522,10 @@ class Averager:
             )
         label = f"averaging round {self.rounds + 1} at step {self.steps}"
         warming_up = self.steps < self.warmup_steps
-        if warming_up and isinstance(self._round, DeltaRound):
-            self._round.anchor_parameters()  # warm-up moved them (identically): rounds here are plain means
+        if warming_up and not self.islands and isinstance(self._round, DeltaRound):
+            # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
+            # In the islands layout, warm-up's own rounds keep the anchor current.
+            self._round.anchor_parameters()
         stamp = Stamp(
             self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at_step
         )
