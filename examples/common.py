@@ -223,6 +223,14 @@ def _count_and_allreduce(state, bucket):  # unannotated: DDP checks annotations,
     return allreduce_hook(state.group, bucket)
 
 
+def comm_line(gradients: GradientBytes, averager: Any) -> str:
+    """``comm: ddp_bytes=... round_bytes=... node_round_bytes=...``: what this rank sent, by kind (the benchmarks
+    tell the bytes that cross nodes from those that stay inside with it)."""
+    rounds = averager.traffic.bytes if averager is not None else 0
+    node_rounds = averager.node_traffic.bytes if averager is not None else 0
+    return f"comm: ddp_bytes={gradients.bytes} round_bytes={rounds} node_round_bytes={node_rounds}"
+
+
 def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """What a resumed run must share with the run that wrote the checkpoint (the number of processes may
     change: the checkpoint holds one replica, averaged before it was written)."""

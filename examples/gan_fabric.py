@@ -49,6 +49,7 @@ from common import (
     add_run_arguments,
     averager_options,
     check_arguments,
+    comm_line,
     fail,
     layout,
     main,
@@ -268,6 +269,7 @@ def train(args: argparse.Namespace) -> int | None:
     else:
         result = "dataset=digits"
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {picture.name})", flush=True)
+    print(comm_line(grad_bytes, averager), flush=True)
     print(
         f"final: steps={args.steps} {result} wall_s={wall:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
