@@ -280,6 +280,7 @@ class Averager:
                         f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
                         " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
                     )
+                _check_replicated(module)
         ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
         #: True when the modules' DDP synchronises inside each node and rounds average across nodes.
         self.islands = _islands(ddps, process_group, node_period)
@@ -704,6 +705,20 @@ def _islands(ddps: Sequence[DistributedDataParallel], group: ProcessGroup, node_
             " DDP over the world (the default), not inside the node."
         )
     return "islands" in kinds
+
+
+def _check_replicated(module: nn.Module) -> None:
+    """Averaging needs a whole replica per rank: refuse sharded models (FSDP, DeepSpeed, tensor parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    forward = module._forward_module if isinstance(module, _FabricModule) else module
+    forward = getattr(forward, "_orig_mod", forward)
+    wrapped = isinstance(forward, DistributedDataParallel) or forward is _plain(module)
+    if not wrapped or any(isinstance(p, DTensor) for p in module.parameters()):
+        raise TypeError(
+            f"Averager: {type(forward).__name__} holds a shard of the model on each rank, not a replica; averaging"
+            " needs DDP (or single-device) models: set them up with setup_models under a DDP strategy."
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

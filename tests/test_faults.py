@@ -366,3 +366,23 @@ def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase
     if fault == "stalled":
         assert seconds >= timeout_s - 1 and "timed out" in survivor.error.lower(), (seconds, survivor.error)
     assert peer is None or fault == "stalled"
+
+
+# --- sharded models cannot be averaged ----------------------------------------------------------------
+
+
+def sharded_model(fabric):
+    from lightning_fabric.wrappers import _FabricModule
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (fabric.world_size,))
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))  # tensor parallel
+    module = _FabricModule(layer, fabric.strategy, original_module=layer)
+    return timed_error(lambda: Averager(fabric, module, period=2))[:2], still_in_step()
+
+
+def test_sharded_models_are_refused(worlds):
+    for (kind, message), check in worlds(2).run(sharded_model):
+        assert kind == "TypeError" and "holds a shard of the model" in message and check == 2
