@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from fabric_multimodel.averaging import Averager
-from fabric_multimodel.collectives import describe_disagreement
+from fabric_multimodel.collectives import Traffic, describe_disagreement
 from fabric_multimodel.models import _DDP_KWARGS, _RESERVED_DDP_KWARGS
 from fabric_multimodel.outer import OuterOptimizerFactory
 
@@ -362,6 +362,19 @@ class ModelAveraging(Callback):
             print(f"{trainer.callbacks[0].rounds} rounds")
         """
         return self._averager.rounds if self._averager is not None else int((self._state or {}).get("rounds", 0))
+
+    @property
+    def traffic(self) -> Traffic:
+        """Elements and bytes this rank sent in averaging rounds, across resumes (not the warm-up's gradients).
+
+        Example::
+
+            print(f"{averaging.traffic.bytes / 2**20:.1f} MiB averaged")
+        """
+        if self._averager is not None:
+            return self._averager.traffic
+        state = self._state or {}
+        return Traffic(int(state.get("elements_communicated", 0)), int(state.get("bytes_communicated", 0)))
 
     @property
     def averager(self) -> Averager | None:
