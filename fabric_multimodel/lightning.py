@@ -24,8 +24,14 @@ from contextlib import ExitStack, contextmanager
 from types import MappingProxyType
 from typing import Any, Literal
 
-import pytorch_lightning as pl
 import torch
+
+try:
+    import pytorch_lightning as pl
+except ImportError as error:  # the extra is optional; say how to get it
+    raise ImportError(
+        "fabric_multimodel.lightning needs the Lightning Trainer: pip install 'fabric-multimodel[lightning]'"
+    ) from error
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
