@@ -240,6 +240,15 @@ class MultiModelDDPStrategy(DDPStrategy):
                 f"MultiModelDDPStrategy: {type(module).__name__} has no child module with a trainable parameter to"
                 " wrap; keep the models it trains as attributes (self.generator = ...)."
             )
+        owners: dict[int, str] = {}
+        for name, model in models.items():
+            for p in _trainable(model):
+                if owners.setdefault(id(p), name) != name:
+                    raise ValueError(
+                        f"MultiModelDDPStrategy: models {owners[id(p)]!r} and {name!r} share trainable parameters, and"
+                        " two DDPs cannot both reduce one gradient; hold both in one child module, or name only one of"
+                        " them in `models`."
+                    )
         return models
 
     def _check_optimized(self, models: Mapping[str, nn.Module]) -> None:

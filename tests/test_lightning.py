@@ -7,6 +7,7 @@ errors they expect and return them, which keeps the world usable for the next te
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import subprocess
@@ -75,6 +76,7 @@ class TutorialGAN(pl.LightningModule):
 
         if self.freeze == "toggle":
             self.toggle_optimizer(opt_g)
+            self.generated_imgs = self(z)  # the tutorial's extra forward (for logging): G runs twice, one backward
             g_loss = F.binary_cross_entropy_with_logits(self.discriminator(self(z)), valid)
         else:
             generated = self(z)
@@ -231,46 +233,97 @@ def test_ring_gan_captures_all_eight_modes(worlds, period):
 
 # --- ModelAveraging: checkpoint and resume -----------------------------------------------------------
 
+COUNTERS = ("steps", "rounds", "synced_at_step", "elements_communicated", "bytes_communicated")
 
-def averaged_run(fabric, root, resume_from, epochs):
+
+def averaging(kind: str) -> ModelAveraging:
+    if kind == "mean":
+        return ModelAveraging(period=4, warmup_steps=2, average_optimizer_state=True)
+    if kind == "diloco":  # the Averager's options pass through: the anchor and outer momentum must resume too
+        nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        return ModelAveraging(4, 2, average_optimizer_state=True, outer_optimizer=nesterov, comm_dtype=torch.bfloat16)
+    return ModelAveraging(period=4, warmup_steps=2, overlap_steps=1)  # Adam's moments stay rank-local
+
+
+def averaged_run(fabric, kind, root, resume_from, epochs):
     """Epochs of 6 batches, warm-up 2, period 4: rounds at batches 6, 10, 14, 18 (epoch 1 ends on a round)."""
     torch.manual_seed(1 if resume_from else 0)  # a resumed run must get its weights from the checkpoint
     gan = TutorialGAN("toggle")
-    averaging = ModelAveraging(period=4, warmup_steps=2, average_optimizer_state=True)
-    log = RoundLog(averaging)
+    callback = averaging(kind)
+    log = RoundLog(callback)
     every_epoch = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
-    fit = trainer(MultiModelDDPStrategy(), averaging, log, every_epoch, max_epochs=epochs, enable_checkpointing=True)
+    fit = trainer(MultiModelDDPStrategy(), callback, log, every_epoch, max_epochs=epochs, enable_checkpointing=True)
     fit.fit(gan, images(6), ckpt_path=resume_from)
     in_sync = bool(replicas_in_sync(fabric, [gan.generator, gan.discriminator]))
-    return log.entries, parameters(gan) + [b.clone() for b in gan.buffers()], in_sync, averaging.state_dict()
+    counters = {name: callback.state_dict()[name] for name in COUNTERS}
+    return log.entries, parameters(gan) + [b.clone() for b in gan.buffers()], in_sync, counters
 
 
-def test_resume_continues_the_schedule_and_equals_the_uninterrupted_run(worlds, tmp_path):
+@pytest.mark.parametrize("kind", ["mean", "diloco", "overlap"])
+def test_resume_continues_the_schedule_and_equals_the_uninterrupted_run(worlds, tmp_path, kind):
     world = worlds(2)
-    full = world.run(averaged_run, str(tmp_path / "full"), None, 3)
-    log, final, in_sync, state = full[0]
+    full = world.run(averaged_run, kind, str(tmp_path / "full"), None, 3)
+    log, final, in_sync, counters = full[0]
     assert [steps for steps, _ in log] == list(range(1, 19))
     rounds_at = [steps for (steps, rounds), (_, before) in zip(log, [(0, 0), *log]) if rounds > before]
-    assert rounds_at == [6, 10, 14, 18]
+    assert rounds_at == [6, 10, 14, 18]  # counted at launch (overlap: merged a batch later)
     assert in_sync and all(r[2] for r in full)
-    assert state["steps"] == 18 and state["rounds"] == 4
+    # Leaving fit: overlap merges the round launched at batch 18, then the Averager's closing round
+    # counts as one more (its stamp sees no round finished at 18); blocking rounds leave nothing to do.
+    final_rounds = 5 if kind == "overlap" else 4
+    assert counters["steps"] == 18 and counters["rounds"] == final_rounds
     assert all(torch.equal(a, b) for a, b in zip(final, full[1][1]))  # replicas identical, buffers too
 
     after_epoch = {epoch: next((tmp_path / "full").glob(f"epoch={epoch}-*.ckpt")) for epoch in (0, 1)}
     saved = torch.load(after_epoch[0], weights_only=False)["callbacks"]["ModelAveraging"]
     assert (saved["steps"], saved["rounds"]) == (6, 1)
+    assert ("anchor" in saved and "outer_optimizer" in saved) == (kind == "diloco")
 
-    # Resumed after a round (epoch 1 ends at batch 6): bitwise the uninterrupted run, same rounds.
-    resumed = world.run(averaged_run, str(tmp_path / "resumed"), str(after_epoch[0]), 3)
-    for (log_b, final_b, in_sync_b, state_b), (_, final_a, _, _) in zip(resumed, full):
+    # Resumed after a round (epoch 1 ends at batch 6): the same rounds and counters and, when every
+    # rank's optimizer state is rank 0's after a round, bitwise the uninterrupted run.
+    resumed = world.run(averaged_run, kind, str(tmp_path / "resumed"), str(after_epoch[0]), 3)
+    for (log_b, final_b, in_sync_b, counters_b), (_, final_a, _, _) in zip(resumed, full):
         assert log_b == log[6:]
-        assert in_sync_b and state_b == state
-        assert all(torch.equal(a, b) for a, b in zip(final_a, final_b))
+        assert in_sync_b and counters_b == counters
+        if kind != "overlap":
+            assert all(torch.equal(a, b) for a, b in zip(final_a, final_b))
 
     # Resumed in the middle of a period (batch 12): the schedule still continues exactly.
-    mid_period = world.run(averaged_run, str(tmp_path / "mid"), str(after_epoch[1]), 3)
-    for log_c, _, in_sync_c, state_c in mid_period:
-        assert log_c == log[12:] and in_sync_c and state_c["rounds"] == 4
+    mid_period = world.run(averaged_run, kind, str(tmp_path / "mid"), str(after_epoch[1]), 3)
+    for log_c, _, in_sync_c, counters_c in mid_period:
+        assert log_c == log[12:] and in_sync_c and counters_c["rounds"] == final_rounds
+
+
+# --- automatic optimization: one model, gradient accumulation -----------------------------------------
+
+
+class Regression(pl.LightningModule):
+    """One model and automatic optimization: what most Trainer users have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(X_DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def accumulated(fabric, strategy_name):
+    torch.manual_seed(0)
+    model, counter = Regression(), GradientBytes()
+    strategy = MultiModelDDPStrategy() if strategy_name == "per-model" else DDPStrategy()
+    trainer(strategy, counter, accumulate_grad_batches=2).fit(model, images(4))
+    return counter.counter.bytes, sum(p.numel() * p.element_size() for p in model.parameters()), parameters(model)
+
+
+def test_automatic_optimization_with_accumulation_is_ddp(worlds):
+    world = worlds(2)
+    for ours, lightnings in zip(world.run(accumulated, "per-model"), world.run(accumulated, "one DDP")):
+        assert ours[0] == lightnings[0] == 2 * ours[1]  # 4 batches: gradients allreduced on the 2nd and 4th
+        assert all(torch.equal(p, q) for p, q in zip(ours[2], lightnings[2]))
 
 
 # --- bad configuration: one clear error on every rank ---------------------------------------------
@@ -287,6 +340,9 @@ def bad_configuration(fabric, case):
         strategy, gan = MultiModelDDPStrategy(), TutorialGAN("toggle", optimize_disc=False)
     elif case == "optimized model not wrapped":
         strategy = MultiModelDDPStrategy(models=["generator"])
+    elif case == "models share parameters":
+        strategy = MultiModelDDPStrategy()
+        gan.critic = nn.Sequential(gan.discriminator[0], nn.Linear(HIDDEN, 1))
     elif case == "models differ across ranks":
         strategy = MultiModelDDPStrategy()
         if fabric.global_rank == 1:
@@ -312,6 +368,7 @@ def bad_configuration(fabric, case):
         ("unknown ddp_kwargs model", ["`ddp_kwargs`", "'gen'", "generator"]),
         ("model in no optimizer", ["'discriminator'", "no optimizer", "configure_optimizers", "`models`"]),
         ("optimized model not wrapped", ["discriminator.0.weight", "`models`"]),
+        ("models share parameters", ["'discriminator' and 'critic'", "`models`"]),
         ("models differ across ranks", ["differ across ranks", "rank 0:", "rank 1:"]),
         ("callback under DDPStrategy", ["ModelAveraging", "DDPStrategy", "MultiModelDDPStrategy()"]),
     ],
