@@ -158,7 +158,9 @@ class Meter(pl.Callback):
         self._tick = 0.0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for ddp in getattr(trainer.strategy, "ddp_modules", {}).values():  # none in one process
+        if trainer.world_size == 1:
+            return  # DDP's allreduce over one rank sends nothing
+        for ddp in trainer.strategy.ddp_modules.values():
             ddp.register_comm_hook(self.grad, count_and_allreduce)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from datetime import timedelta
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -39,7 +40,6 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.exceptions import _augment_message
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -76,10 +76,9 @@ class MultiModelDDPStrategy(DDPStrategy):
             trainable parameter. Children without one (a frozen teacher, a metric) get no DDP.
         ddp_kwargs: per-model ``DistributedDataParallel`` options, keyed by model name; they
             override ``**kwargs``.
-        **kwargs: ``DistributedDataParallel`` options for every model (``DDPStrategy``'s
-            ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
-            ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are
-            taken as ``DDPStrategy`` takes them).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout, start_method: as in Lightning's ``DDPStrategy``.
+        **kwargs: ``DistributedDataParallel`` options for every model.
 
     Example::
 
@@ -100,7 +99,7 @@ class MultiModelDDPStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: Any = default_pg_timeout,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -194,16 +193,11 @@ class MultiModelDDPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        _augment_message(
-            exception,
-            pattern=".*Expected to have finished reduction in the prior iteration.*",
-            new_message=(
-                "A model that MultiModelDDPStrategy wrapped had parameters without gradients in a backward. For a"
-                " model that a step only uses (a GAN's discriminator in the generator step), run its forward inside"
-                " `fabric_multimodel.frozen(model)` or after `self.toggle_optimizer(...)`, so that none of its"
-                " parameters requires grad; if only some of a model's parameters are unused, pass"
-                " `ddp_kwargs={name: {'find_unused_parameters': True}}` for that model."
-            ),
+        # DDPStrategy's hint (find_unused_parameters for the whole module) is the wrong fix here; keep
+        # PyTorch's message, which names the parameters, and add ours.
+        exception.args = tuple(
+            f"{arg}\n{_UNUSED_PARAMETERS_HINT}" if isinstance(arg, str) and _UNFINISHED_REDUCTION in arg else arg
+            for arg in exception.args
         )
 
     @override
@@ -281,7 +275,8 @@ class ModelAveraging(Callback):
     parameters (and floating-point buffers with ``average_buffers``) are averaged across ranks.
     The schedule counts **training batches**, once per batch after all of its optimizer steps
     (``on_train_batch_end``), never optimizer steps: a GAN's two optimizers average both models
-    on the same batches. Replicas are identical when ``fit`` ends.
+    on the same batches. Replicas are identical when ``fit`` ends. With ``accumulate_grad_batches``,
+    make ``period`` and ``warmup_steps`` multiples of it, so that rounds follow optimizer steps.
 
     Built on :class:`fabric_multimodel.Averager`; ``outer_optimizer``, ``comm_dtype`` and
     ``overlap_steps`` are passed through (DiLoCo: ``outer_optimizer``). Needs
@@ -492,6 +487,13 @@ class _ForwardOf(nn.Module):
 
 
 _NO_FORWARD = object()
+_UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+_UNUSED_PARAMETERS_HINT = (
+    "MultiModelDDPStrategy: a wrapped model had trainable parameters that got no gradient in a backward. For a model"
+    " that a step only uses (a GAN's discriminator in the generator step), run its forward inside"
+    " `fabric_multimodel.frozen(model)` or after `self.toggle_optimizer(...)`; for parameters a model really leaves"
+    " unused, pass ddp_kwargs={name: {'find_unused_parameters': True}} for that model only."
+)
 
 
 @contextmanager

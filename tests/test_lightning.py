@@ -347,6 +347,9 @@ def bad_configuration(fabric, case):
         strategy = MultiModelDDPStrategy()
         if fabric.global_rank == 1:
             gan.discriminator = nn.Sequential(nn.Linear(X_DIM, 1))
+    elif case == "parameter unused in forward":
+        strategy = MultiModelDDPStrategy()
+        gan.generator[1].spare = nn.Linear(1, 1)  # trained by opt_g, never used: DDP waits for its gradient
     else:  # "callback under DDPStrategy"
         strategy, callbacks = DDPStrategy(), [ModelAveraging(period=4)]
     start = time.monotonic()
@@ -370,12 +373,13 @@ def bad_configuration(fabric, case):
         ("optimized model not wrapped", ["discriminator.0.weight", "`models`"]),
         ("models share parameters", ["'discriminator' and 'critic'", "`models`"]),
         ("models differ across ranks", ["differ across ranks", "rank 0:", "rank 1:"]),
+        ("parameter unused in forward", ["finished reduction", "frozen", "find_unused_parameters': True"]),
         ("callback under DDPStrategy", ["ModelAveraging", "DDPStrategy", "MultiModelDDPStrategy()"]),
     ],
 )
 def test_bad_configuration_is_one_clear_error_on_every_rank(worlds, case, words):
     for (kind, message, seconds), check in worlds(2).run(bad_configuration, case):
-        assert kind == "ValueError", (kind, message)
+        assert kind == ("RuntimeError" if case == "parameter unused in forward" else "ValueError"), (kind, message)
         assert all(word in message for word in words), message
         assert seconds < 20 and check == 2
 
