@@ -506,7 +506,9 @@ def _forward_through(ddp: DistributedDataParallel) -> Generator[None, None, None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and not any(p.requires_grad for p in trainable):
-            # Used, not trained (frozen, or toggled off): no gradient will come, so DDP must not wait for one.
+            # Used, not trained (frozen, or toggled off): no gradient will come. A reduction prepared
+            # now would stay armed until the model's next backward, which would then allreduce even
+            # under no_sync (gradient accumulation) or in ModelAveraging's local phase.
             with ddp.no_sync():
                 return ddp(*args, **kwargs)
         return ddp(*args, **kwargs)

@@ -159,16 +159,20 @@ def parameters(module: nn.Module) -> list[torch.Tensor]:
 # --- gradient bytes: |G| + |D| per iteration, against twice that for one DDP -------------------------
 
 
+STRATEGIES = {
+    "per-model": MultiModelDDPStrategy,
+    # With DDP's unused-parameter search on too, a model that gets no gradient starts no reduction.
+    "per-model, unused-parameter search": functools.partial(MultiModelDDPStrategy, find_unused_parameters=True),
+    "one DDP": functools.partial(DDPStrategy, find_unused_parameters=True),  # what the tutorial needs
+}
+
+
 def gradient_bytes(fabric, strategy_name, freeze, checkpoint):
     torch.manual_seed(0)
     gan = TutorialGAN(freeze)
     before = parameters(gan)
-    if strategy_name == "per-model":
-        strategy = MultiModelDDPStrategy()
-    else:
-        strategy = DDPStrategy(find_unused_parameters=True)
     counter, batches = GradientBytes(), 5
-    fit = trainer(strategy, counter)
+    fit = trainer(STRATEGIES[strategy_name](), counter)
     fit.fit(gan, images(batches))
     if checkpoint:
         fit.save_checkpoint(checkpoint)
@@ -181,17 +185,16 @@ def gradient_bytes(fabric, strategy_name, freeze, checkpoint):
 def test_tutorial_gan_allreduces_each_model_once_per_iteration(worlds, tmp_path):
     checkpoint = str(tmp_path / "gan.ckpt")
     world = worlds(2)
-    per_model = {
-        freeze: world.run(gradient_bytes, "per-model", freeze, checkpoint if freeze == "toggle" else None)
-        for freeze in ("toggle", "frozen")
-    }
-    one_ddp = world.run(gradient_bytes, "one DDP", "toggle", None)
-    for freeze, results in per_model.items():
-        for per_iteration, model_bytes, trained, in_sync, forward in results:
-            assert per_iteration == model_bytes > 0, freeze  # |G| + |D|: each model's gradients, once
-            assert trained and in_sync, freeze
+    cases = [("per-model", "toggle"), ("per-model", "frozen"), ("per-model, unused-parameter search", "toggle")]
+    for strategy_name, freeze in cases:
+        saved = checkpoint if freeze == "frozen" else None
+        for per_iteration, model_bytes, trained, in_sync, forward in world.run(
+            gradient_bytes, strategy_name, freeze, saved
+        ):
+            assert per_iteration == model_bytes > 0, (strategy_name, freeze)  # |G| + |D|: each model's, once
+            assert trained and in_sync, (strategy_name, freeze)
             assert forward == "method", "the model's forward is its own again after fit"
-    for per_iteration, model_bytes, trained, in_sync, _ in one_ddp:
+    for per_iteration, model_bytes, trained, in_sync, _ in world.run(gradient_bytes, "one DDP", "toggle", None):
         assert per_iteration == 2 * model_bytes  # both models' buckets in both steps
         assert trained and in_sync
     # The checkpoint keeps the plain names and loads into a module that never saw the strategy.
@@ -249,21 +252,25 @@ def averaged_run(fabric, kind, root, resume_from, epochs):
     """Epochs of 6 batches, warm-up 2, period 4: rounds at batches 6, 10, 14, 18 (epoch 1 ends on a round)."""
     torch.manual_seed(1 if resume_from else 0)  # a resumed run must get its weights from the checkpoint
     gan = TutorialGAN("toggle")
-    callback = averaging(kind)
+    callback, counter = averaging(kind), GradientBytes()
     log = RoundLog(callback)
     every_epoch = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True)
-    fit = trainer(MultiModelDDPStrategy(), callback, log, every_epoch, max_epochs=epochs, enable_checkpointing=True)
+    fit = trainer(
+        MultiModelDDPStrategy(), callback, log, counter, every_epoch, max_epochs=epochs, enable_checkpointing=True
+    )
     fit.fit(gan, images(6), ckpt_path=resume_from)
     in_sync = bool(replicas_in_sync(fabric, [gan.generator, gan.discriminator]))
     counters = {name: callback.state_dict()[name] for name in COUNTERS}
-    return log.entries, parameters(gan) + [b.clone() for b in gan.buffers()], in_sync, counters
+    warmup_gradients = counter.counter.bytes / sum(p.numel() * p.element_size() for p in gan.parameters())
+    return log.entries, parameters(gan) + [b.clone() for b in gan.buffers()], in_sync, counters, warmup_gradients
 
 
 @pytest.mark.parametrize("kind", ["mean", "diloco", "overlap"])
 def test_resume_continues_the_schedule_and_equals_the_uninterrupted_run(worlds, tmp_path, kind):
     world = worlds(2)
     full = world.run(averaged_run, kind, str(tmp_path / "full"), None, 3)
-    log, final, in_sync, counters = full[0]
+    log, final, in_sync, counters, warmup_gradients = full[0]
+    assert warmup_gradients == 2  # each model's gradients in batches 1-2, none in the local phase
     assert [steps for steps, _ in log] == list(range(1, 19))
     rounds_at = [steps for (steps, rounds), (_, before) in zip(log, [(0, 0), *log]) if rounds > before]
     assert rounds_at == [6, 10, 14, 18]  # counted at launch (overlap: merged a batch later)
@@ -282,15 +289,15 @@ def test_resume_continues_the_schedule_and_equals_the_uninterrupted_run(worlds, 
     # Resumed after a round (epoch 1 ends at batch 6): the same rounds and counters and, when every
     # rank's optimizer state is rank 0's after a round, bitwise the uninterrupted run.
     resumed = world.run(averaged_run, kind, str(tmp_path / "resumed"), str(after_epoch[0]), 3)
-    for (log_b, final_b, in_sync_b, counters_b), (_, final_a, _, _) in zip(resumed, full):
-        assert log_b == log[6:]
+    for (log_b, final_b, in_sync_b, counters_b, gradients_b), (_, final_a, *_) in zip(resumed, full):
+        assert log_b == log[6:] and gradients_b == 0
         assert in_sync_b and counters_b == counters
         if kind != "overlap":
             assert all(torch.equal(a, b) for a, b in zip(final_a, final_b))
 
     # Resumed in the middle of a period (batch 12): the schedule still continues exactly.
     mid_period = world.run(averaged_run, kind, str(tmp_path / "mid"), str(after_epoch[1]), 3)
-    for log_c, _, in_sync_c, counters_c in mid_period:
+    for log_c, _, in_sync_c, counters_c, _ in mid_period:
         assert log_c == log[12:] and in_sync_c and counters_c["rounds"] == final_rounds
 
 
