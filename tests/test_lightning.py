@@ -219,7 +219,8 @@ def ring_gan_quality(fabric, steps, period):
     pl.seed_everything(0, verbose=False)
     gan = example.RingGAN(lr=1e-3, batch_size=64, seed=0)
     untrained = ring_quality(gan.sample(2500))
-    callbacks = [ModelAveraging(period, warmup_steps=steps // 4, average_optimizer_state=True)] if period else []
+    # Warm-up 98: the batches after it are no multiple of the period, so only the round on leaving fit syncs the end.
+    callbacks = [ModelAveraging(period, warmup_steps=98, average_optimizer_state=True)] if period else []
     trainer(MultiModelDDPStrategy(), *callbacks, limit_train_batches=steps).fit(gan)
     in_sync = bool(replicas_in_sync(fabric, [gan.generator, gan.discriminator]))
     return untrained, ring_quality(gan.sample(2500)), in_sync
