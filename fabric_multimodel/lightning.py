@@ -278,6 +278,12 @@ class ModelAveraging(Callback):
     on the same batches. Replicas are identical when ``fit`` ends. With ``accumulate_grad_batches``,
     make ``period`` and ``warmup_steps`` multiples of it, so that rounds follow optimizer steps.
 
+    A forward whose output no backward reaches (``self.generator(z).detach()`` in the
+    discriminator step, with the generator trainable) leaves that model's DDP waiting for
+    gradients, and the model's first backward after warm-up still allreduces them, once. Run such
+    forwards under ``torch.no_grad()``, or after ``toggle_optimizer`` selected the other optimizer
+    (as Lightning's GAN tutorial does).
+
     Built on :class:`fabric_multimodel.Averager`; ``outer_optimizer``, ``comm_dtype`` and
     ``overlap_steps`` are passed through (DiLoCo: ``outer_optimizer``). Needs
     ``Trainer(strategy=MultiModelDDPStrategy(...))``.
