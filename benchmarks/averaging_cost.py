@@ -17,7 +17,7 @@ Methods, all on the same ranks, interleaved inside every repeat:
 Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 tensors) and an MLP of
 400 small tensors (~0.83M parameters). Usage::
 
-    python benchmarks/averaging_cost.py [--quick] [--out DIR] [--world-sizes 2 4] [--repeats N]
+    python benchmarks/averaging_cost.py [--quick] [--out DIR] [--world-sizes 2 4] [--repeats N] [--no-peers]
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def detail_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     common.start_clock()
     p = common.parser(NAME, __doc__.splitlines()[0])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4], help="ranks per world (default: 2 4)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="ranks per world (default: 2 4; quick: 2)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per method (default: 60; quick: 5)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds per method first (default: 5; quick: 1)")
     p.add_argument(
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         help="also time torchft's DiLoCo round at 2 ranks, when installed (default: yes; quick: no)",
     )
     args = p.parse_args(argv)
-    repeats = args.repeats or (5 if args.quick else 60)
+    args.world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
+    repeats = args.repeats or (3 if args.quick else 60)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     peers = args.peers if args.peers is not None else not args.quick
     info = common.machine_info()

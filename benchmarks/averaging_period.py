@@ -67,7 +67,7 @@ RING = Task(
     ),
     quality=("modes_captured", "high_quality"),
     steps=3000,
-    quick_steps=60,
+    quick_steps=40,
     warmup_steps=500,
 )  # fmt: skip
 LM = Task(
@@ -476,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--overlap-steps", type=int, nargs="+", default=[1, 4], help="ring: overlap_steps of those rows")
     p.add_argument("--layouts", action="store_true", help="lm: the multi-node layouts (2 nodes x 2 processes)")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: ring 3, lm 2; quick: 1)")
-    p.add_argument("--devices", type=int, default=4, help="processes per run (default: 4)")
+    p.add_argument("--devices", type=int, default=None, help="processes per run (default: 4; quick: 2)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run is abandoned")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs with identical commands (resume a sweep)")
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--` (e.g. -- --batch-size 32)")
@@ -486,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.warmup_steps is None:
         args.warmup_steps = 10 if args.quick and task is RING else task.warmup_steps
     args.overlap = args.overlap if args.overlap is not None else not args.quick
+    args.devices = args.devices or (2 if args.quick else 4)
     if args.layouts and (task is not LM or args.devices % 2):
         p.error("--layouts needs --task lm and an even --devices (2 nodes)")
     seeds = list(range(args.seeds or (1 if args.quick else 3 if task is RING else 2)))

@@ -46,7 +46,7 @@ from typing_extensions import override
 
 from fabric_multimodel.averaging import Averager
 from fabric_multimodel.collectives import Traffic, describe_disagreement
-from fabric_multimodel.models import _DDP_KWARGS, _RESERVED_DDP_KWARGS
+from fabric_multimodel.models import ddp_options_problem
 from fabric_multimodel.outer import OuterOptimizerFactory
 
 __all__ = ["ModelAveraging", "MultiModelDDPStrategy"]
@@ -564,13 +564,9 @@ def _check_strategy_arguments(models: Any, ddp_kwargs: Any, options: Mapping[str
                 f"MultiModelDDPStrategy: `ddp_kwargs` names {unknown}, which are not in `models` ({list(models)})."
             )
     for where, given in [("", options), *((f"ddp_kwargs[{n!r}] ", o) for n, o in (ddp_kwargs or {}).items())]:
-        reserved = sorted(set(given) & set(_RESERVED_DDP_KWARGS))
-        if reserved:
-            raise ValueError(f"MultiModelDDPStrategy: {where}sets {reserved}, which the strategy chooses; remove them.")
-        unknown = sorted(set(given) - _DDP_KWARGS)
-        if unknown:
+        problem = ddp_options_problem(given)
+        if problem:
             raise ValueError(
-                f"MultiModelDDPStrategy: {where}{unknown} {'is' if len(unknown) == 1 else 'are'} not"
-                " DistributedDataParallel options. Communication hooks: register them on"
-                " strategy.ddp_modules[name] in on_fit_start; model averaging: the ModelAveraging callback."
+                f"MultiModelDDPStrategy: {where or 'the keyword arguments '}{problem} Communication hooks: register"
+                " them on strategy.ddp_modules[name] in on_fit_start; model averaging: the ModelAveraging callback."
             )

@@ -158,21 +158,34 @@ def _validate(fabric: Fabric, ddp_kwargs: Any, models: Mapping[str, Any]) -> Non
             raise TypeError(
                 f"setup_models: `ddp_kwargs[{name!r}]` must be a mapping of DDP options, got {type(options).__name__}."
             )
-        bad = sorted(set(options) & set(_RESERVED_DDP_KWARGS))
-        if bad:
-            raise ValueError(f"setup_models: `ddp_kwargs[{name!r}]` sets {bad}, which Fabric chooses; remove them.")
-        unknown_options = sorted(set(options) - _DDP_KWARGS)
-        if unknown_options:
-            raise ValueError(
-                f"setup_models: `ddp_kwargs[{name!r}]` has {unknown_options}, which DistributedDataParallel does"
-                " not accept; check the spelling against torch.nn.parallel.DistributedDataParallel."
-            )
+        problem = ddp_options_problem(options)
+        if problem:
+            raise ValueError(f"setup_models: `ddp_kwargs[{name!r}]` {problem}")
     strategy = fabric.strategy
     if ddp_kwargs and isinstance(strategy, ParallelStrategy) and not _builds_plain_ddp(strategy):
         raise ValueError(
             f"setup_models: `ddp_kwargs` only applies to DDP strategies, but this Fabric uses"
             f" {type(strategy).__name__}; configure that strategy instead and drop `ddp_kwargs`."
         )
+
+
+def ddp_options_problem(options: Mapping[str, Any]) -> str | None:
+    """What is wrong with keyword arguments meant for ``DistributedDataParallel`` (None: nothing).
+
+    Example::
+
+        problem = ddp_options_problem({"broadcast_buffer": False})  # "has ['broadcast_buffer'], which ..."
+    """
+    reserved = sorted(set(options) & set(_RESERVED_DDP_KWARGS))
+    if reserved:
+        return f"sets {reserved}, which the strategy chooses; remove them."
+    unknown = sorted(set(options) - _DDP_KWARGS)
+    if unknown:
+        return (
+            f"has {unknown}, which DistributedDataParallel does not accept; check the spelling against"
+            " torch.nn.parallel.DistributedDataParallel."
+        )
+    return None
 
 
 def _builds_plain_ddp(strategy: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import tempfile
 from contextlib import nullcontext
@@ -17,6 +18,7 @@ from torch import nn
 
 from fabric_multimodel import Averager, average_models, frozen, replicas_in_sync, setup_models
 from tests.gan import collectives, gan_iteration, make_gan, mlp
+from tests.worlds import errors_of, in_step
 
 
 def _gather(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -334,16 +336,8 @@ AVERAGER_BAD_INPUTS = {
 
 def raise_averager_bad_inputs(fabric):
     m, other = setup_models(fabric, m=nn.Linear(2, 2), other=nn.Linear(3, 1))
-    errors = {}
-    for case, (call, _, _) in AVERAGER_BAD_INPUTS.items():
-        try:
-            call(fabric, m, other)
-            errors[case] = None
-        except (TypeError, ValueError) as error:
-            errors[case] = (type(error).__name__, str(error))
-    check = torch.ones(1)
-    dist.all_reduce(check)  # every rank is still in step after all of that
-    return errors, check.item()
+    calls = {case: functools.partial(call, fabric, m, other) for case, (call, _, _) in AVERAGER_BAD_INPUTS.items()}
+    return errors_of(calls), in_step()
 
 
 def test_averager_bad_input_raises_on_every_rank(worlds):

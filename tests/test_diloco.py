@@ -16,6 +16,7 @@ from torch import nn
 from fabric_multimodel import Averager, replicas_in_sync, setup_models
 from fabric_multimodel.rounds import Header
 from tests.gan import allreduce_payloads, mlp
+from tests.worlds import errors_of, in_step
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 PLAIN_SGD = functools.partial(torch.optim.SGD, lr=1.0)
@@ -275,16 +276,8 @@ DILOCO_BAD_INPUTS = {
 
 def raise_diloco_bad_inputs(fabric):
     (m,) = setup_models(fabric, m=nn.Linear(2, 2))
-    errors = {}
-    for case, (call, _, _) in DILOCO_BAD_INPUTS.items():
-        try:
-            call(fabric, m)
-            errors[case] = None
-        except (TypeError, ValueError) as error:
-            errors[case] = (type(error).__name__, str(error))
-    check = torch.ones(1)
-    dist.all_reduce(check)
-    return errors, check.item()
+    calls = {case: functools.partial(call, fabric, m) for case, (call, _, _) in DILOCO_BAD_INPUTS.items()}
+    return errors_of(calls), in_step()
 
 
 def test_diloco_bad_input_raises_on_every_rank(worlds):

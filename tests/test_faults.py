@@ -16,16 +16,9 @@ from torch import nn
 from fabric_multimodel import Averager, average_models, replicas_in_sync, setup_models
 from fabric_multimodel.launch import run_world
 from tests.gan import mlp
-from tests.worlds import run_faulty_world
+from tests.worlds import in_step, run_faulty_world
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def still_in_step() -> float:
-    """Every rank can still run a collective: nothing was left half-issued."""
-    check = torch.ones(1)
-    dist.all_reduce(check)
-    return check.item()
 
 
 def timed_error(call):
@@ -51,7 +44,7 @@ def mismatched_setup_models(fabric, case):
     else:  # ddp_kwargs given on one rank only
         options = {"disc": {"bucket_cap_mb": 1}} if rank1 else None
         call = lambda: setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=options)  # noqa: E731
-    return timed_error(call), still_in_step()
+    return timed_error(call), in_step()
 
 
 @pytest.mark.parametrize(
@@ -100,7 +93,7 @@ def drifting_schedule(fabric, extra, warmup_steps, overlap_steps, outer):
                 if odd and extra:
                     averager.step()
 
-    return timed_error(run), still_in_step()
+    return timed_error(run), in_step()
 
 
 @pytest.mark.parametrize("extra", [True, False])
@@ -160,7 +153,7 @@ def different_optimizer_layouts(fabric):
                 opt.zero_grad()
                 averager.step()
 
-    return timed_error(run), still_in_step()
+    return timed_error(run), in_step()
 
 
 def test_optimizer_state_that_differs_across_ranks_is_an_error_at_the_first_round(worlds, record_property):
@@ -200,7 +193,7 @@ def nonfinite_on_one_rank(fabric, value, kind):
 
     error = timed_error(run)
     report = replicas_in_sync(fabric, models)
-    return error, bool(report), report.finite, still_in_step()
+    return error, bool(report), report.finite, in_step()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -225,7 +218,7 @@ def nonfinite_average_models(fabric):
     with torch.no_grad():
         if fabric.global_rank == 0:
             m.module[0].bias[1] = float("inf")
-    return timed_error(lambda: average_models(fabric, m)), still_in_step()
+    return timed_error(lambda: average_models(fabric, m)), in_step()
 
 
 def test_average_models_checks_for_nonfinite_values(worlds):
@@ -281,7 +274,7 @@ def group_without_this_rank(fabric):
         with Averager(fabric, m, period=1, process_group=group) as averager:  # members average among themselves
             averager.step()
         errors["members"] = bool(replicas_in_sync(fabric, m, process_group=group))
-    return errors, still_in_step()
+    return errors, in_step()
 
 
 def test_a_group_without_this_rank_is_refused_at_construction(worlds):
@@ -391,7 +384,7 @@ def sharded_model(fabric):
     layer = nn.Linear(4, 4)
     layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))  # tensor parallel
     module = _FabricModule(layer, fabric.strategy, original_module=layer)
-    return timed_error(lambda: Averager(fabric, module, period=2))[:2], still_in_step()
+    return timed_error(lambda: Averager(fabric, module, period=2))[:2], in_step()
 
 
 def test_sharded_models_are_refused(worlds):

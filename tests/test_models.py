@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning_fabric import Fabric
@@ -16,6 +16,7 @@ from torch import nn
 
 from fabric_multimodel import Averager, Models, ddp_of, frozen, replicas_in_sync, setup_models
 from tests.gan import collectives, gan_iteration, make_gan
+from tests.worlds import errors_of, in_step
 
 
 def _no_freeze(module):
@@ -307,17 +308,7 @@ EXPECTED_WORDS = {
 
 
 def raise_bad_inputs(fabric):
-    errors = {}
-    for case, call in BAD_INPUTS.items():
-        try:
-            call(fabric)
-            errors[case] = None
-        except (TypeError, ValueError) as error:
-            errors[case] = (type(error).__name__, str(error))
-    # Every rank is still in step: a collective right after the errors completes.
-    check = torch.ones(1)
-    dist.all_reduce(check)
-    return errors, check.item()
+    return errors_of({case: functools.partial(call, fabric) for case, call in BAD_INPUTS.items()}), in_step()
 
 
 def test_bad_input_raises_on_every_rank_before_any_collective(worlds):

@@ -165,3 +165,25 @@ def run_faulty_world(
             proc.kill()
         proc.join()
     return outcomes
+
+
+def errors_of(calls: dict[str, Callable[[], Any]]) -> dict[str, tuple[str, str] | None]:
+    """Call each; what it raised (a TypeError or ValueError) as (type name, message), or None."""
+    errors: dict[str, tuple[str, str] | None] = {}
+    for case, call in calls.items():
+        try:
+            call()
+            errors[case] = None
+        except (TypeError, ValueError) as error:
+            errors[case] = (type(error).__name__, str(error))
+    return errors
+
+
+def in_step() -> float:
+    """An allreduce of ones: the world size when every rank is still in step (no collective left half-issued)."""
+    import torch
+    import torch.distributed as dist
+
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    return check.item()
