@@ -35,13 +35,13 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from common import (
     Checkpointer,
+    GradientBytes,
     Parser,
     Progress,
     StopSignal,
@@ -60,10 +60,9 @@ from common import (
 from lightning_fabric import Fabric
 from lightning_fabric.loggers import CSVLogger
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Averager, ddp_of, frozen, setup_models
+from fabric_multimodel import Averager, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -123,12 +122,6 @@ def digits_gan(z_dim: int) -> tuple[nn.Module, nn.Module, Sampler]:
     return gen, disc, lambda n, g: images[torch.randint(len(images), (n,), generator=g)]
 
 
-def count_and_allreduce(counter, bucket):  # unannotated: DDP checks annotations, and ours would be strings
-    """A DDP comm hook: add the gradient bytes this rank sends to ``counter``, then allreduce as DDP does."""
-    counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)  # None: the default process group
-
-
 def build(fabric: Fabric, args: argparse.Namespace) -> tuple[Any, ...]:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     if args.dataset == "ring":
@@ -146,11 +139,7 @@ def build(fabric: Fabric, args: argparse.Namespace) -> tuple[Any, ...]:
     opt_g = torch.optim.Adam(gen.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(disc.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_g, opt_d = fabric.setup_optimizers(opt_g, opt_d)
-    grad_bytes = SimpleNamespace(bytes=0)
-    for model in (gen, disc):
-        if (ddp := ddp_of(model)) is not None:  # None in a single process: nothing is communicated
-            ddp.register_comm_hook(grad_bytes, count_and_allreduce)
-    return gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes
+    return gen, disc, opt_g, opt_d, sample_real, z_dim, GradientBytes(gen, disc)
 
 
 @torch.no_grad()
