@@ -28,11 +28,14 @@ Rank 0 writes ``OUT/checkpoint.pt``, CSV metrics under ``OUT/logs/`` (train loss
 ``val_loss.png`` (with matplotlib), prints a sample of generated text and ends with a
 machine-readable line (wrapped here)::
 
-    final: steps=2000 val_loss=... val_bpb=... wall_s=... iter_ms_median=...
-        iter_ms_mean=... comm_bytes=... comm_bytes_per_iter=... rounds=0
+    final: steps=2000 val_loss=1.4833 val_bpb=2.1400 wall_s=113.5 iter_ms_median=55.51
+        iter_ms_mean=56.25 comm_bytes=1747968000 comm_bytes_per_iter=873984.0 rounds=0
 
-The final validation loss is that of the averaged model (identical on every rank), on the same
-``--eval-batches`` held-out batches in every run; ``val_bpb`` is it in bits per byte.
+That is the first command on a 2-core CPU (4 processes, seed 0, the default 218,496-parameter
+model; one process takes 16.9 ms a step). The final validation loss is that of the averaged model
+(identical on every rank), on the same ``--eval-batches`` held-out batches in every run;
+``val_bpb`` is it in bits per byte. With ``--period 16`` the same machine reached 1.5853 (2.2871
+bits per byte) at 40.45 ms a step in 117 rounds, sending 28% of the bytes.
 """
 
 from __future__ import annotations
@@ -87,19 +90,19 @@ SAMPLE_TEMPERATURE = 0.7
 def parse_args() -> argparse.Namespace:
     p = Parser("lm_fabric.py", "Train a small byte-level language model with DDP or local SGD / DiLoCo (the Averager).")
     p.add_argument(
-        "--data", type=Path, nargs="+", help="text files or folders (default: this Python's standard library)"
+        "--data", type=Path, nargs="+", metavar="PATH", help="text files or folders (None: Python's standard library)"
     )
     p.add_argument("--steps", type=int, default=2000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per process and step")
     p.add_argument("--context", type=int, default=32, help="bytes per sequence (the model's longest context)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: off)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights and each rank's order of the text")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=64, help="width of the residual stream")
     g.add_argument("--layers", type=int, default=4, help="transformer blocks")
     g.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model)")
-    g.add_argument("--positions", choices=["learned", "sinusoidal"], default="learned")
+    g.add_argument("--positions", choices=["learned", "sinusoidal"], default="learned", help="position encoding")
     g.add_argument(
         "--tie-weights", action=argparse.BooleanOptionalAction, default=True, help="output layer = byte embedding"
     )
