@@ -1,19 +1,31 @@
-"""Averaging period sweep on the ring GAN: time per iteration, bytes per iteration and GAN quality.
+"""Averaging-period sweep: time, bytes and model quality per averaging setting, on the ring GAN or a language model.
 
-Runs the example ``examples/gan_fabric.py`` under ``fabric run`` once per setting and seed, and
-parses its last line (``final: steps=... modes_captured=K/8 high_quality=F wall_s=T
-iter_ms_median=MS iter_ms_mean=MS comm_bytes=B comm_bytes_per_iter=BPI rounds=R``). Settings:
-synchronous DDP (``--period 0``), averaging periods 1, 2, 4, 8, 16, 32 after ``--warmup-steps``
-synchronous steps, the floor for local training ("local": the same warm-up, then no communication
-until one round at the very end) and no communication at all (``--period <steps> --warmup-steps 0``).
-Seeds are the outer loop, settings the inner one, so machine noise hits every setting.
+Runs an example under ``fabric run`` once per setting and seed and parses its last line (``final:
+key=value ...``) and its ``comm:`` line (bytes per kind of collective). Seeds are the outer loop,
+settings the inner one, so machine noise hits every setting. Every run keeps its logs in
+``<out>/averaging_period_runs/<task>/<setting>_seed<S>/``; a failed run's folder is renamed
+``...-failed-<time>`` (never overwritten) and the sweep says where it is.
+
+Tasks:
+
+- ``--task ring`` (default): ``examples/gan_fabric.py``. Synchronous DDP, periods 1-32 after a
+  synchronous warm-up, overlapped rounds (``--overlap``), the no-communication floors. Quality: modes
+  captured and high-quality fraction of the final generator.
+- ``--task lm``: ``examples/lm_fabric.py``. Synchronous DDP; plain averaging at periods 8, 32, 128;
+  DiLoCo (outer Nesterov 0.7/0.9) at 32, 128, 512; DiLoCo 128 with a bf16 payload and overlapped;
+  no communication after warm-up. Quality: validation loss of the final, averaged model.
+  ``--layouts`` runs instead the multi-node layouts, 2 nodes x 2 processes, each node its own
+  ``fabric run``: synchronous DDP over the world, flat DiLoCo 128, islands DiLoCo 128, two-level 4/32,
+  with the bytes per iteration that cross nodes and that stay inside them.
+
 Usage::
 
-    python benchmarks/averaging_period.py [--quick] [--out DIR] [--steps 3000] [--seeds 3] [--reuse]
+    python benchmarks/averaging_period.py [--task ring|lm] [--quick] [--out DIR] [--seeds N] [--reuse]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -22,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,70 +44,139 @@ from benchmarks import common  # noqa: E402
 from fabric_multimodel.launch import free_port, parse_final_line, stop_process_tree  # noqa: E402
 
 NAME = "averaging_period"
-EXAMPLE = common.REPO / "examples" / "gan_fabric.py"
-DEFAULT_PERIODS = (1, 2, 4, 8, 16, 32)
 
-FINAL_KEYS = (
-    "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean",
-    "comm_bytes", "comm_bytes_per_iter", "rounds",
+
+class Task(NamedTuple):
+    """An example the sweep runs, what its final line holds, and which of it is model quality."""
+
+    name: str
+    example: Path
+    keys: tuple[str, ...]  # the final line, in order
+    quality: tuple[str, ...]  # the final-line values summarised as mean ± std over seeds
+    steps: int  # full-mode iterations per run
+    quick_steps: int
+    warmup_steps: int  # full-mode synchronous steps before averaging
+
+
+RING = Task(
+    "ring",
+    common.REPO / "examples" / "gan_fabric.py",
+    keys=(
+        "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean",
+        "comm_bytes", "comm_bytes_per_iter", "rounds",
+    ),
+    quality=("modes_captured", "high_quality"),
+    steps=3000,
+    quick_steps=60,
+    warmup_steps=500,
 )  # fmt: skip
-
-
-class Final(NamedTuple):
-    """The example's machine-readable last line."""
-
-    steps: int
-    modes_captured: int
-    modes: int
-    high_quality: float
-    wall_s: float
-    iter_ms_median: float
-    iter_ms_mean: float
-    comm_bytes: int
-    comm_bytes_per_iter: float
-    rounds: int
-
-
-def parse_final(stdout: str) -> Final:
-    """Parse the example's ``final: ...`` line (the last line of ``stdout`` that starts with ``final:``).
-
-    Raises ValueError (quoting the end of the output) when there is none or it does not match the
-    contract exactly.
-    """
-    g = parse_final_line(stdout, FINAL_KEYS)
-    captured, _, modes = g["modes_captured"].partition("/")
-    try:
-        return Final(
-            steps=int(g["steps"]),
-            modes_captured=int(captured),
-            modes=int(modes),
-            high_quality=float(g["high_quality"]),
-            wall_s=float(g["wall_s"]),
-            iter_ms_median=float(g["iter_ms_median"]),
-            iter_ms_mean=float(g["iter_ms_mean"]),
-            comm_bytes=int(g["comm_bytes"]),
-            comm_bytes_per_iter=float(g["comm_bytes_per_iter"]),
-            rounds=int(g["rounds"]),
-        )
-    except ValueError as error:
-        raise ValueError(f"the example's final line has a malformed value ({error}): {g}") from None
+LM = Task(
+    "lm",
+    common.REPO / "examples" / "lm_fabric.py",
+    keys=(
+        "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean",
+        "comm_bytes", "comm_bytes_per_iter", "rounds",
+    ),
+    quality=("val_loss", "val_bpb"),
+    steps=3000,
+    quick_steps=40,
+    warmup_steps=20,
+)  # fmt: skip
+TASKS = {task.name: task for task in (RING, LM)}
 
 
 class Setting(NamedTuple):
-    key: str  # "sync", "period=8", "local", "no-comm"
-    label: str
-    period: int  # the example's --period
-    warmup_steps: int  # the example's --warmup-steps
-    x: str  # the label on the plot's axis
+    key: str  # a short id, used in file names and the CSV: "sync", "period=8", "diloco=128-bf16"...
+    label: str  # for the table
+    flags: tuple[str, ...]  # the example's flags for this setting
+    x: str  # the label on a plot's axis
+    nodes: int = 1  # 2: two `fabric run` launchers of --devices/2 processes each (simulated nodes)
 
 
-def settings(periods: list[int], steps: int, warmup: int) -> list[Setting]:
-    # --period 0 runs no Averager, so it has no warm-up phase: every iteration is synchronous.
-    out = [Setting("sync", "synchronous DDP (--period 0)", 0, 0, "sync")]
-    out += [Setting(f"period={p}", f"period {p}", p, warmup, str(p)) for p in periods]
+def averaging(period: int, warmup: int, *extra: str) -> tuple[str, ...]:
+    return ("--period", str(period), "--warmup-steps", str(warmup), *extra)
+
+
+DILOCO = ("--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+
+
+def ring_settings(args: Any) -> list[Setting]:
+    w, steps = args.warmup_steps, args.steps
+    periods = args.periods or ([8] if args.quick else [1, 2, 4, 8, 16, 32])
+    out = [Setting("sync", "synchronous DDP (--period 0)", ("--period", "0"), "sync")]
+    out += [Setting(f"period={p}", f"period {p}", averaging(p, w), str(p)) for p in periods]
+    if args.overlap:
+        for p, k in [(p, k) for p in (8, 32) for k in args.overlap_steps if k < p]:
+            out.append(
+                Setting(
+                    f"period={p}-overlap={k}",
+                    f"period {p}, overlapped {k}",
+                    averaging(p, w, "--overlap-steps", str(k)),
+                    f"{p}/o{k}",
+                )
+            )
     # The floor for local training: the same warm-up, then no communication until one round at the end.
-    out.append(Setting("local", "no communication after warm-up (1 round, at the end)", steps, warmup, "local"))
-    out.append(Setting("no-comm", "no communication at all (1 round, at the end)", steps, 0, "none"))
+    out.append(Setting("local", "no communication after warm-up (1 round, at the end)", averaging(steps, w), "local"))
+    out.append(Setting("no-comm", "no communication at all (1 round, at the end)", averaging(steps, 0), "none"))
+    return out
+
+
+def lm_settings(args: Any) -> list[Setting]:
+    w, steps = args.warmup_steps, args.steps
+    if args.layouts:
+        return [
+            Setting("nodes-sync", "synchronous DDP over the world", ("--period", "0"), "sync", nodes=2),
+            Setting(
+                "nodes-diloco=128",
+                "flat DiLoCo 128 (DDP over the world in warm-up)",
+                averaging(128, w, *DILOCO),
+                "flat",
+                2,
+            ),
+            Setting(
+                "nodes-islands-diloco=128",
+                "islands: DDP inside the node, DiLoCo 128 across",
+                averaging(128, w, *DILOCO, "--layout", "islands"),
+                "islands",
+                nodes=2,
+            ),
+            Setting(
+                "nodes-two-level=4/32",
+                "two-level: node every 4, world every 32",
+                averaging(32, w, "--node-period", "4"),
+                "4/32",
+                2,
+            ),
+        ]
+    if args.quick:
+        return [
+            Setting("sync", "synchronous DDP", ("--period", "0"), "sync"),
+            Setting("diloco=8", "DiLoCo 8", averaging(8, w, *DILOCO), "D8"),
+            Setting("local", "no communication after warm-up", averaging(steps, w), "local"),
+        ]
+    out = [Setting("sync", "synchronous DDP", ("--period", "0"), "sync")]
+    out += [Setting(f"period={p}", f"plain averaging, period {p}", averaging(p, w), f"P{p}") for p in (8, 32, 128)]
+    out += [
+        Setting(f"diloco={p}", f"DiLoCo (Nesterov 0.7/0.9), period {p}", averaging(p, w, *DILOCO), f"D{p}")
+        for p in (32, 128, 512)
+    ]
+    out.append(
+        Setting(
+            "diloco=128-bf16",
+            "DiLoCo 128, bf16 payload",
+            averaging(128, w, *DILOCO, "--comm-dtype", "bfloat16"),
+            "D128bf16",
+        )
+    )
+    out.append(
+        Setting(
+            "diloco=128-overlap=8",
+            "DiLoCo 128, overlapped 8 steps",
+            averaging(128, w, *DILOCO, "--overlap-steps", "8"),
+            "D128o8",
+        )
+    )
+    out.append(Setting("local", "no communication after warm-up (1 round, at the end)", averaging(steps, w), "local"))
     return out
 
 
@@ -107,165 +189,241 @@ def fabric_executable() -> list[str]:
     if found:
         return [found]
     raise SystemExit(
-        "averaging_period: the `fabric` command (from lightning-fabric) was not found next to Python or on PATH"
+        "averaging_period: the `fabric` command (from lightning-fabric) was not found beside Python or on PATH"
     )
 
 
-def command(setting: Setting, args: Any, seed: int, run_dir: Path) -> list[str]:
-    cmd = [
-        *fabric_executable(),
-        "run",
-        "--accelerator", "cpu",
-        "--devices", str(args.devices),
-        "--main-address", "127.0.0.1",
-        "--main-port", "{port}",  # replaced per run by a free port; kept symbolic for --reuse
-        str(EXAMPLE),
-        "--steps", str(args.steps),
-        "--period", str(setting.period),
-        "--warmup-steps", str(setting.warmup_steps),
-        "--seed", str(seed),
-        "--out", str(run_dir),
+def commands(task: Task, setting: Setting, args: Any, seed: int, run_dir: Path) -> list[list[str]]:
+    """One command per (simulated) node; ``{port}`` is replaced by a free port when run."""
+    script = [str(task.example), "--steps", str(args.steps), "--seed", str(seed), "--out", str(run_dir)]
+    script += ["--checkpoint-every", "0", *setting.flags, *args.example_args]
+    per_node = args.devices // setting.nodes
+    return [
+        [
+            *fabric_executable(), "run", "--accelerator", "cpu", "--devices", str(per_node),
+            *(("--num-nodes", str(setting.nodes), "--node-rank", str(node)) if setting.nodes > 1 else ()),
+            "--main-address", "127.0.0.1", "--main-port", "{port}",
+            *script,
+        ]
+        for node in range(setting.nodes)
     ]  # fmt: skip
-    if args.batch_size is not None:
-        cmd += ["--batch-size", str(args.batch_size)]
-    if args.lr is not None:
-        cmd += ["--lr", str(args.lr)]
-    return cmd
 
 
-def run_once(setting: Setting, args: Any, seed: int, runs_dir: Path) -> dict[str, Any]:
+def run_once(task: Task, setting: Setting, args: Any, seed: int, runs_dir: Path) -> dict[str, Any]:
     """Run the example for one setting and seed (or reuse a finished identical run); return its row."""
-    run_dir = runs_dir / f"{setting.key.replace('=', '')}_seed{seed}"
-    cmd = command(setting, args, seed, run_dir)
+    run_dir = runs_dir / f"{setting.key.replace('=', '').replace('/', '-')}_seed{seed}"
+    cmds = commands(task, setting, args, seed, run_dir)
     result_path = run_dir / "result.json"
     if args.reuse and result_path.exists():
         saved = json.loads(result_path.read_text())
-        if saved.get("command") == cmd and saved.get("final"):
-            return _row(setting, seed, Final(**saved["final"]), saved["elapsed_s"], reused=True)
+        if saved.get("commands") == cmds and saved.get("final"):
+            return _row(task, setting, seed, saved["final"], saved.get("comm", {}), saved["elapsed_s"], reused=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    actual = [part.replace("{port}", str(free_port())) for part in cmd]
+    port = str(free_port())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.monotonic()
-    # Output goes to files, not pipes: a rank process that outlived its launcher would otherwise
-    # keep a pipe open and block the read forever.
-    stdout_path, stderr_path = run_dir / "stdout.txt", run_dir / "stderr.txt"
-    with stdout_path.open("w") as out, stderr_path.open("w") as err:
-        proc = subprocess.Popen(actual, cwd=common.REPO, env=env, stdout=out, stderr=err, text=True)
-        try:
-            proc.wait(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            stop_process_tree(proc)
-            raise RuntimeError(
-                f"{setting.key} seed {seed}: timed out after {args.run_timeout} s (logs in {run_dir})"
-            ) from None
-        except BaseException:  # Ctrl-C: do not leave the ranks running
-            stop_process_tree(proc, grace_s=5)
-            raise
-    stdout, stderr = stdout_path.read_text(), stderr_path.read_text()
+    launchers, logs = [], []
+    try:
+        # Output goes to files, not pipes: a rank that outlived its launcher would otherwise keep a
+        # pipe open and block the read forever.
+        for node, cmd in enumerate(cmds):
+            out = (run_dir / f"stdout{node or ''}.txt").open("w")
+            err = (run_dir / f"stderr{node or ''}.txt").open("w")
+            logs += [out, err]
+            actual = [part.replace("{port}", port) for part in cmd]
+            launchers.append(subprocess.Popen(actual, cwd=common.REPO, env=env, stdout=out, stderr=err, text=True))
+        deadline = time.monotonic() + args.run_timeout
+        for launcher in launchers:
+            launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        failure = f"timed out after {args.run_timeout:.0f} s"
+    except BaseException:  # Ctrl-C: do not leave the ranks running
+        for launcher in launchers:
+            stop_process_tree(launcher, grace_s=5)
+        raise
+    else:
+        codes = [launcher.returncode for launcher in launchers]
+        failure = None if all(code == 0 for code in codes) else f"exit codes {codes}"
+    finally:
+        for launcher in launchers:
+            stop_process_tree(launcher, grace_s=5)
+        for log in logs:
+            log.close()
     elapsed = time.monotonic() - start
-    if proc.returncode != 0:
-        tail = "\n".join(stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"{setting.key} seed {seed}: exit code {proc.returncode} (logs in {run_dir}):\n{tail}")
-    final = parse_final(stdout)
-    common.write_json(result_path, {"command": cmd, "final": final._asdict(), "elapsed_s": elapsed})
-    return _row(setting, seed, final, elapsed, reused=False)
+    stdout = (run_dir / "stdout.txt").read_text()
+    try:
+        if failure is not None:
+            raise RuntimeError(failure)
+        final = _numbers(parse_final_line(stdout, task.keys))
+        comm = _comm_line(stdout)
+    except (RuntimeError, ValueError) as error:
+        kept = run_dir.with_name(f"{run_dir.name}-failed-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(kept)
+        tail = "\n".join((kept / "stderr.txt").read_text().strip().splitlines()[-15:])
+        raise RuntimeError(f"{setting.key} seed {seed}: {error}; logs kept in {kept}\n{tail}") from None
+    common.write_json(result_path, {"commands": cmds, "final": final, "comm": comm, "elapsed_s": elapsed})
+    return _row(task, setting, seed, final, comm, elapsed, reused=False)
 
 
-def _row(setting: Setting, seed: int, final: Final, elapsed: float, reused: bool) -> dict[str, Any]:
+def _numbers(values: dict[str, str]) -> dict[str, float]:
+    """Final-line values as numbers; ``K/N`` (modes captured of N) gives ``key`` and ``key_of``."""
+    out: dict[str, float] = {}
+    for key, value in values.items():
+        if "/" in value:
+            part, _, whole = value.partition("/")
+            out[key], out[f"{key}_of"] = float(int(part)), float(int(whole))
+        else:
+            out[key] = float(value)
+    return out
+
+
+def _comm_line(stdout: str) -> dict[str, float]:
+    """The example's ``comm: ddp_bytes=... round_bytes=... node_round_bytes=...`` line (empty if absent)."""
+    lines = [line.strip() for line in stdout.splitlines() if line.startswith("comm:")]
+    if not lines:
+        return {}
+    return {k: float(v) for k, v in (token.split("=", 1) for token in lines[-1].removeprefix("comm:").split())}
+
+
+def _row(
+    task: Task,
+    setting: Setting,
+    seed: int,
+    final: dict[str, float],
+    comm: dict[str, float],
+    elapsed: float,
+    reused: bool,
+) -> dict[str, Any]:
+    steps = final["steps"]
+    ddp, rounds, node_rounds = (comm.get(k, math.nan) for k in ("ddp_bytes", "round_bytes", "node_round_bytes"))
+    islands = "--layout" in setting.flags and "islands" in setting.flags
+    # Bytes that cross nodes: collectives over groups that span nodes. In the islands layout DDP
+    # stays inside the node and only rounds cross; in two-level averaging the node rounds stay inside.
+    inside = (ddp if islands else 0.0) + (node_rounds if node_rounds == node_rounds else 0.0)
     return {
+        "task": task.name,
         "setting": setting.key,
-        "period": setting.period,
-        "warmup_steps": setting.warmup_steps,
         "seed": seed,
-        **final._asdict(),
+        "nodes": setting.nodes,
+        **final,
+        "crossing_bytes_per_iter": (final["comm_bytes"] - inside) / steps,
+        "inside_bytes_per_iter": inside / steps,
+        "ddp_bytes": ddp,
+        "round_bytes": rounds,
         "run_s": round(elapsed, 1),
         "reused": reused,
     }
 
 
-def summarise(all_settings: list[Setting], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per setting: medians and spreads over seeds."""
-    by_key = {s.key: [r for r in runs if r["setting"] == s.key] for s in all_settings}
+def summarise(task: Task, settings: list[Setting], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per setting: medians of time and bytes over seeds, mean and spread of the quality values."""
+    by_key = {s.key: [r for r in runs if r["setting"] == s.key] for s in settings}
     floor = by_key.get("local") or []
     base_median = statistics.median(r["iter_ms_median"] for r in floor) if floor else math.nan
     base_mean = statistics.median(r["iter_ms_mean"] for r in floor) if floor else math.nan
+    sync = by_key.get("sync") or by_key.get("nodes-sync") or []
+    sync_bytes = statistics.median(r["comm_bytes_per_iter"] for r in sync) if sync else math.nan
     rows = []
-    for s in all_settings:
+    for s in settings:
         mine = by_key[s.key]
         if not mine:
             continue
-        hq = [r["high_quality"] for r in mine]
-        modes = [r["modes_captured"] for r in mine]
-        iter_ms = statistics.median(r["iter_ms_median"] for r in mine)
-        iter_ms_mean = statistics.median(r["iter_ms_mean"] for r in mine)
-        rows.append(
-            {
-                "setting": s.key,
-                "description": s.label,
-                "period": s.period,
-                "warmup_steps": s.warmup_steps,
-                "steps": mine[0]["steps"],
-                "seeds": len(mine),
-                "iter_ms_median": iter_ms,
-                "median_ratio_to_local": iter_ms / base_median if base_median else math.nan,
-                "iter_ms_mean": iter_ms_mean,
-                "mean_ratio_to_local": iter_ms_mean / base_mean if base_mean else math.nan,
-                "comm_bytes_per_iter": statistics.median(r["comm_bytes_per_iter"] for r in mine),
-                "rounds": statistics.median(r["rounds"] for r in mine),
-                "modes_captured_mean": statistics.mean(modes),
-                "modes_captured_min": min(modes),
-                "modes": mine[0]["modes"],
-                "high_quality_mean": statistics.mean(hq),
-                "high_quality_std": statistics.pstdev(hq) if len(hq) > 1 else 0.0,
-                "high_quality_min": min(hq),
-                "high_quality_max": max(hq),
-                "wall_s_median": statistics.median(r["wall_s"] for r in mine),
-            }
-        )
+        row: dict[str, Any] = {
+            "setting": s.key,
+            "description": s.label,
+            "x": s.x,
+            "seeds": len(mine),
+            "steps": mine[0]["steps"],
+            "iter_ms_median": statistics.median(r["iter_ms_median"] for r in mine),
+            "iter_ms_mean": statistics.median(r["iter_ms_mean"] for r in mine),
+            "comm_bytes_per_iter": statistics.median(r["comm_bytes_per_iter"] for r in mine),
+            "crossing_bytes_per_iter": statistics.median(r["crossing_bytes_per_iter"] for r in mine),
+            "inside_bytes_per_iter": statistics.median(r["inside_bytes_per_iter"] for r in mine),
+            "rounds": statistics.median(r["rounds"] for r in mine),
+            "wall_s_median": statistics.median(r["wall_s"] for r in mine),
+        }
+        row["median_ratio_to_local"] = row["iter_ms_median"] / base_median if base_median else math.nan
+        row["mean_ratio_to_local"] = row["iter_ms_mean"] / base_mean if base_mean else math.nan
+        row["bytes_ratio_to_sync"] = sync_bytes / row["comm_bytes_per_iter"] if row["comm_bytes_per_iter"] else math.inf
+        for metric in task.quality:
+            values = [r[metric] for r in mine]
+            row[f"{metric}_mean"] = statistics.mean(values)
+            row[f"{metric}_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+            row[f"{metric}_min"], row[f"{metric}_max"] = min(values), max(values)
+        if task is RING:
+            row["modes"] = mine[0]["modes_captured_of"]
+        rows.append(row)
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    headers = [
-        "setting",
-        "warm-up",
-        "seeds",
-        "ms/iter median",
-        "median / local",
-        "ms/iter mean",
-        "mean / local",
-        "bytes/iter",
-        "rounds",
-        "modes captured mean (min)",
-        "high quality mean ± std [min-max]",
-    ]
+def table(task: Task, rows: list[dict[str, Any]], layouts: bool) -> str:
+    headers = ["setting", "seeds", "ms/iter median", "median / local", "ms/iter mean", "mean / local", "bytes/iter"]
+    headers += ["sync bytes / bytes", "rounds"]
+    if layouts:
+        headers += ["bytes/iter crossing nodes", "bytes/iter inside nodes"]
+    headers += (
+        ["modes captured mean (min)", "high quality mean ± std [min-max]"]
+        if task is RING
+        else ["val loss mean ± std [min-max]", "val bpb mean"]
+    )
     body = []
     for r in rows:
-        body.append(
-            [
-                r["description"],
-                r["warmup_steps"] if r["period"] else "-",
-                r["seeds"],
-                f"{r['iter_ms_median']:.2f}",
-                common.ratio(r["median_ratio_to_local"]),
-                f"{r['iter_ms_mean']:.2f}",
-                common.ratio(r["mean_ratio_to_local"]),
-                f"{r['comm_bytes_per_iter']:,.1f}",
-                f"{r['rounds']:g}",
-                f"{r['modes_captured_mean']:.2f}/{r['modes']} ({r['modes_captured_min']})",
+        line = [
+            r["description"],
+            r["seeds"],
+            f"{r['iter_ms_median']:.2f}",
+            common.ratio(r["median_ratio_to_local"]),
+            f"{r['iter_ms_mean']:.2f}",
+            common.ratio(r["mean_ratio_to_local"]),
+            f"{r['comm_bytes_per_iter']:,.1f}",
+            f"1/{r['bytes_ratio_to_sync']:.1f}"
+            if r["bytes_ratio_to_sync"] > 1.0001
+            else common.ratio(1 / r["bytes_ratio_to_sync"]),
+            f"{r['rounds']:g}",
+        ]
+        if layouts:
+            line += [f"{r['crossing_bytes_per_iter']:,.1f}", f"{r['inside_bytes_per_iter']:,.1f}"]
+        if task is RING:
+            line += [
+                f"{r['modes_captured_mean']:.2f}/{r['modes']:g} ({r['modes_captured_min']:g})",
                 f"{r['high_quality_mean']:.3f} ± {r['high_quality_std']:.3f}"
                 f" [{r['high_quality_min']:.3f}-{r['high_quality_max']:.3f}]",
             ]
-        )
+        else:
+            line += [
+                f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f} [{r['val_loss_min']:.4f}-{r['val_loss_max']:.4f}]",
+                f"{r['val_bpb_mean']:.3f}",
+            ]
+        body.append(line)
     return common.markdown_table(headers, body)
 
 
-def plot(path: Path, all_settings: list[Setting], rows: list[dict[str, Any]], title: str) -> Path | None:
+def plot(task: Task, path: Path, rows: list[dict[str, Any]], title: str) -> Path | None:
     plt = common.pyplot()
     if plt is None:
         return None
-    xs = {s.key: s.x for s in all_settings}
-    labels = [xs[r["setting"]] for r in rows]
+    if task is RING:
+        fig = _plot_ring(plt, rows)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in rows:
+            x = max(r["comm_bytes_per_iter"], 1.0)
+            spread = [[r["val_loss_mean"] - r["val_loss_min"]], [r["val_loss_max"] - r["val_loss_mean"]]]
+            ax.errorbar([x], [r["val_loss_mean"]], yerr=spread, fmt="o", capsize=3)
+            ax.annotate(r["x"], (x, r["val_loss_mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes communicated per iteration per rank (log)")
+        ax.set_ylabel("validation loss (nats/byte), mean and min-max over seeds")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_ring(plt: Any, rows: list[dict[str, Any]]) -> Any:
     positions = list(range(len(rows)))
     fig, (ax_ms, ax_bytes, ax_quality) = plt.subplots(1, 3, figsize=(15, 4.2))
     ax_ms.plot(positions, [r["iter_ms_median"] for r in rows], "o-", label="median iteration")
@@ -275,12 +433,10 @@ def plot(path: Path, all_settings: list[Setting], rows: list[dict[str, Any]], ti
     ax_bytes.plot(positions, [max(r["comm_bytes_per_iter"], 1.0) for r in rows], "o-", color="tab:orange")
     ax_bytes.set_yscale("log")
     ax_bytes.set_ylabel("bytes communicated / iteration (per rank)")
-    hq_mean = [r["high_quality_mean"] for r in rows]
+    hq = [r["high_quality_mean"] for r in rows]
     low = [r["high_quality_mean"] - r["high_quality_min"] for r in rows]
     high = [r["high_quality_max"] - r["high_quality_mean"] for r in rows]
-    ax_quality.errorbar(
-        positions, hq_mean, yerr=[low, high], fmt="o-", capsize=3, label="high-quality fraction (min-max)"
-    )
+    ax_quality.errorbar(positions, hq, yerr=[low, high], fmt="o-", capsize=3, label="high-quality fraction (min-max)")
     ax_quality.set_ylim(0, 1.05)
     ax_quality.set_ylabel("high-quality fraction")
     ax_modes = ax_quality.twinx()
@@ -292,78 +448,77 @@ def plot(path: Path, all_settings: list[Setting], rows: list[dict[str, Any]], ti
     handles = ax_quality.get_legend_handles_labels()[0] + ax_modes.get_legend_handles_labels()[0]
     ax_quality.legend(handles, [h.get_label() for h in handles], loc="lower left", fontsize=8)
     for ax in (ax_ms, ax_bytes, ax_quality):
-        ax.set_xticks(positions, labels)
-        ax.set_xlabel("averaging period")
+        ax.set_xticks(positions, [r["x"] for r in rows])
+        ax.set_xlabel("setting (sync: DDP every step; none: no communication)")
         ax.grid(alpha=0.3)
-    fig.suptitle(title + " (sync: DDP every step; none: no communication)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     common.start_clock()
     p = common.parser(NAME, __doc__.splitlines()[0])
     p.add_argument(
-        "--steps", type=int, default=None, help="iterations per run (default: 3000, the example's default; quick: 60)"
+        "--task", choices=sorted(TASKS), default="ring", help="ring: the GAN example; lm: the language model"
+    )
+    p.add_argument("--steps", type=int, default=None, help="iterations per run (default: the task's; quick: fewer)")
+    p.add_argument(
+        "--warmup-steps", type=int, default=None, help="synchronous steps before averaging (default: the task's)"
     )
     p.add_argument(
-        "--warmup-steps",
-        type=int,
+        "--periods", type=int, nargs="+", default=None, help="ring: averaging periods (default: 1 2 4 8 16 32)"
+    )
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="synchronous steps before local SGD (default: steps/6; quick: 10)",
+        help="ring: overlapped rows (default: yes; quick: no)",
     )
-    p.add_argument(
-        "--periods", type=int, nargs="+", default=None, help="averaging periods (default: 1 2 4 8 16 32; quick: 8)"
-    )
-    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: 3; quick: 1)")
+    p.add_argument("--overlap-steps", type=int, nargs="+", default=[1, 4], help="ring: overlap_steps of those rows")
+    p.add_argument("--layouts", action="store_true", help="lm: the multi-node layouts (2 nodes x 2 processes)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: ring 3, lm 2; quick: 1)")
     p.add_argument("--devices", type=int, default=4, help="processes per run (default: 4)")
-    p.add_argument("--batch-size", type=int, default=None, help="per process; passed to the example when given")
-    p.add_argument("--lr", type=float, default=None, help="passed to the example when given")
-    p.add_argument(
-        "--run-timeout", type=float, default=1800.0, help="seconds before one run is abandoned (default: 1800)"
-    )
-    p.add_argument(
-        "--reuse", action="store_true", help="reuse finished runs with identical commands in --out (resume a sweep)"
-    )
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run is abandoned")
+    p.add_argument("--reuse", action="store_true", help="reuse finished runs with identical commands (resume a sweep)")
+    p.add_argument("example_args", nargs="*", help="more flags for the example, after `--` (e.g. -- --batch-size 32)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (60 if args.quick else 3000)
+    task = TASKS[args.task]
+    args.steps = args.steps or (task.quick_steps if args.quick else task.steps)
     if args.warmup_steps is None:
-        args.warmup_steps = 10 if args.quick else args.steps // 6
-    periods = args.periods or ([8] if args.quick else list(DEFAULT_PERIODS))
-    seeds = list(range(args.seeds or (1 if args.quick else 3)))
-    if not EXAMPLE.exists():
-        raise SystemExit(f"averaging_period: {EXAMPLE} is missing; this benchmark runs it")
+        args.warmup_steps = 10 if args.quick and task is RING else task.warmup_steps
+    args.overlap = args.overlap if args.overlap is not None else not args.quick
+    if args.layouts and (task is not LM or args.devices % 2):
+        p.error("--layouts needs --task lm and an even --devices (2 nodes)")
+    seeds = list(range(args.seeds or (1 if args.quick else 3 if task is RING else 2)))
+    if not task.example.exists():
+        raise SystemExit(f"averaging_period: {task.example} is missing; this benchmark runs it")
     info = common.machine_info()
-    all_settings = settings(periods, args.steps, args.warmup_steps)
-    runs_dir = args.out / f"{NAME}_runs"
+    settings = ring_settings(args) if task is RING else lm_settings(args)
+    name = NAME if task is RING else f"{NAME}_{task.name}{'_layouts' if args.layouts else ''}"
+    runs_dir = args.out / f"{NAME}_runs" / name
 
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
-    bar = common.Progress("runs", len(seeds) * len(all_settings), every_s=0)
+    bar = common.Progress("runs", len(seeds) * len(settings), every_s=0)
     for seed in seeds:
-        for setting in all_settings:
+        for setting in settings:
             try:
-                row = run_once(setting, args, seed, runs_dir)
-            except (RuntimeError, ValueError) as error:
+                row = run_once(task, setting, args, seed, runs_dir)
+            except RuntimeError as error:
                 failures.append(str(error))
                 common.progress(f"FAILED {error}")
                 bar.advance(note=f"{setting.key} seed {seed} failed")
                 continue
             runs.append(row)
+            quality = ", ".join(f"{m} {row[m]:.3f}" for m in task.quality)
             how = "reused" if row["reused"] else f"{row['run_s']:.0f}s"
             bar.advance(
                 note=f"{setting.key} seed {seed}: {row['iter_ms_median']:.2f} ms/iter,"
-                f" {row['comm_bytes_per_iter']:,.0f} B/iter,"
-                f" {row['modes_captured']}/{row['modes']} modes, hq {row['high_quality']:.3f}"
-                f" ({how})"
+                f" {row['comm_bytes_per_iter']:,.0f} B/iter, {quality} ({how})"
             )
     elapsed = common.elapsed()
-    rows = summarise(all_settings, runs)
+    rows = summarise(task, settings, runs)
 
-    print(f"# Averaging period sweep{' (QUICK mode: indicative only)' if args.quick else ''}\n")
+    print(f"# Averaging period sweep, task {task.name}{' (QUICK mode: indicative only)' if args.quick else ''}\n")
     print(
         common.machine_line(
             info, world_size=args.devices, steps=args.steps, warmup_steps=args.warmup_steps, seeds=len(seeds)
@@ -371,31 +526,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     print()
     print(
-        "Ring GAN, examples/gan_fabric.py under `fabric run`. ms/iter median / mean: median over seeds of"
-        " each run's median / mean iteration time on rank 0 after warm-up (sync DDP and no-comm: all"
-        " iterations); the mean includes the averaging rounds, the median leaves them out. Ratios are to"
-        " 'local' (same warm-up, then no communication), the floor for local training. bytes/iter: gradient"
-        " allreduce bytes (warm-up included) plus averaging rounds (parameters and Adam moments), divided"
-        " by all steps, per rank. Quality of the final (averaged) generator, 2500 samples.\n"
+        f"{task.example.relative_to(common.REPO)} under `fabric run`. ms/iter median / mean: median over seeds of each"
+        " run's median / mean iteration time on rank 0 after warm-up (synchronous DDP: all iterations); the mean"
+        " includes the averaging rounds. Ratios are to 'local' (same warm-up, then no communication). bytes/iter:"
+        " per rank, warm-up included, divided by all steps; 'sync bytes / bytes': how many times fewer than"
+        " synchronous DDP."
+        + (" Crossing nodes: collectives over groups that span both nodes." if args.layouts else "")
+        + "\n"
     )
     if rows:
-        print(table(rows))
+        print(table(task, rows, args.layouts))
     if failures:
         print(f"\n{len(failures)} run(s) FAILED:")
         for failure in failures:
             print(f"- {failure.splitlines()[0]}")
     if rows:
-        csv_path = common.write_csv(args.out / f"{NAME}.csv", rows)
-        common.write_csv(args.out / f"{NAME}_runs.csv", runs)
+        csv_path = common.write_csv(args.out / f"{name}.csv", rows)
+        common.write_csv(args.out / f"{name}_runs.csv", runs)
         png = plot(
-            args.out / f"{NAME}.png",
-            all_settings,
+            task,
+            args.out / f"{name}.png",
             rows,
-            f"Ring GAN, {args.devices} processes, {args.steps} steps, warm-up {args.warmup_steps},"
-            f" {len(seeds)} seed(s)",
+            f"{task.name}: {args.devices} processes, {args.steps} steps, {len(seeds)} seed(s)",
         )
         common.write_json(
-            args.out / f"{NAME}.json",
+            args.out / f"{name}.json",
             {"machine": info, "args": vars(args), "elapsed_s": elapsed, "rows": rows, "runs": runs},
         )
         common.progress(f"done in {elapsed:.0f}s; wrote {csv_path}" + (f" and {png}" if png else ""))

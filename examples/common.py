@@ -14,18 +14,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from types import SimpleNamespace
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 from lightning_fabric import Fabric
 from lightning_fabric.strategies import DDPStrategy
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from fabric_multimodel import ddp_of
+from fabric_multimodel import NodeGroups, ddp_of, node_groups
 from fabric_multimodel.checkpoints import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from fabric_multimodel.launch import shutdown
 
@@ -51,6 +51,13 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     g.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
     g.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
     g.add_argument("--comm-dtype", choices=["float32", "bfloat16"], default="float32", help="what a round sends")
+    g.add_argument(
+        "--layout",
+        choices=["flat", "islands"],
+        default="flat",
+        help="islands: DDP inside each node every step, rounds across nodes only",
+    )
+    g.add_argument("--node-period", type=int, default=0, help="two-level: also average inside the node every N steps")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +79,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--devices", type=int, help="processes to start (default 1); under `fabric run`, give it to `fabric run`"
     )
+    g.add_argument(
+        "--num-nodes", type=int, default=1, help="nodes, this script started on each; under `fabric run`, give it there"
+    )
     g.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
 
 
@@ -79,7 +89,7 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """The checks every example makes; every rank runs them before any collective, so a bad flag stops all."""
     minimums = {
         "steps": 1, "batch_size": 1, "period": 0, "warmup_steps": 0, "overlap_steps": 0,
-        "checkpoint_every": 0, "log_every": 1, "devices": 1,
+        "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1, "node_period": 0,
     }  # fmt: skip
     for flag, minimum in minimums.items():
         value = getattr(args, flag, None)
@@ -93,12 +103,20 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
     if args.period == 0 and (args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32"):
         p.error("--overlap-steps, --outer and --comm-dtype need --period N (averaging rounds)")
+    if args.period == 0 and (args.layout != "flat" or args.node_period):
+        p.error("--layout islands and --node-period need --period N (rounds across nodes)")
+    if args.node_period and (
+        args.layout != "flat" or args.period % args.node_period or args.node_period == args.period
+    ):
+        p.error("--node-period needs --layout flat and a --period that is a larger multiple of it")
     if args.overlap_steps and args.overlap_steps >= args.period:
         p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume {args.resume}: no such file")
-    if UNDER_CLI and (args.devices is not None or args.accelerator != "auto"):
-        p.error("under `fabric run`, give --devices and --accelerator to `fabric run` (before the script path)")
+    if UNDER_CLI and (args.devices is not None or args.accelerator != "auto" or args.num_nodes != 1):
+        p.error(
+            "under `fabric run`, give --devices, --num-nodes and --accelerator to `fabric run` (before the script path)"
+        )
     if args.log_every is None:
         args.log_every = max(1, args.steps // 10)
     if args.checkpoint_every is None:
@@ -113,6 +131,8 @@ def mode_name(args: argparse.Namespace) -> str:
     parts += [f"overlap{args.overlap_steps}"] if args.overlap_steps else []
     parts += [f"nesterov{args.outer_lr:g}-{args.outer_momentum:g}"] if args.outer != "none" else []
     parts += ["bf16"] if args.comm_dtype == "bfloat16" else []
+    parts += ["islands"] if args.layout == "islands" else []
+    parts += [f"node{args.node_period}"] if args.node_period else []
     return "-".join(parts)
 
 
@@ -131,11 +151,13 @@ def start_fabric(args: argparse.Namespace, **kwargs: Any) -> Fabric:
     With several processes, a collective that waits longer than ``--timeout`` for a peer (a stalled
     or dead rank) fails instead of hanging for the default 30 minutes.
     """
-    world = int(os.environ["WORLD_SIZE"]) if UNDER_CLI else (args.devices or 1)
+    world = int(os.environ["WORLD_SIZE"]) if UNDER_CLI else (args.devices or 1) * args.num_nodes
     strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if world > 1 else "auto"
     if UNDER_CLI:
         return Fabric(strategy=strategy, **kwargs)  # `fabric run` started the processes and the group
-    fabric = Fabric(accelerator=args.accelerator, devices=args.devices or 1, strategy=strategy, **kwargs)
+    fabric = Fabric(
+        accelerator=args.accelerator, devices=args.devices or 1, num_nodes=args.num_nodes, strategy=strategy, **kwargs
+    )
     fabric.launch()
     return fabric
 
@@ -158,20 +180,55 @@ def averager_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-class GradientBytes:
-    """Counts the gradient bytes DDP sends for ``models`` (through a comm hook); nothing in one process."""
+class Layout(NamedTuple):
+    """Where DDP synchronises and what the Averager averages over, for ``--layout`` and ``--node-period``."""
 
-    def __init__(self, *models: nn.Module) -> None:
+    setup: dict[str, Any]  # extra keyword arguments of setup_models
+    averager: dict[str, Any]  # extra keyword arguments of the Averager
+    groups: NodeGroups | None
+
+
+def layout(fabric: Fabric, args: argparse.Namespace) -> Layout:
+    """Flat (DDP and rounds over the world), islands (DDP inside the node, rounds across nodes), or
+    two-level (rounds inside the node every ``--node-period`` steps, across the world every ``--period``)."""
+    if args.layout == "flat" and not args.node_period:
+        return Layout({}, {}, None)
+    groups = node_groups(fabric)
+    if args.layout == "islands":
+        return Layout({"process_group": groups.node}, {"process_group": groups.across}, groups)
+    return Layout({}, {"node_period": args.node_period, "node_group": groups.node}, groups)
+
+
+class GradientBytes:
+    """The gradient bytes this rank's DDPs allreduced: a counting comm hook on each model's DDP.
+
+    Example::
+
+        grads = GradientBytes([gen, disc])
+        ...
+        print(grads.bytes)
+    """
+
+    def __init__(self, models: Iterable[Any]) -> None:
         self.bytes = 0
         for model in models:
-            if (ddp := ddp_of(model)) is not None:  # None in a single process: nothing is communicated
-                ddp.register_comm_hook(self, _count_and_allreduce)
+            ddp = ddp_of(model)
+            if ddp is not None:  # None in a single process: nothing is communicated
+                ddp.register_comm_hook(SimpleNamespace(counter=self, group=ddp.process_group), _count_and_allreduce)
 
 
-def _count_and_allreduce(counter, bucket):  # unannotated: DDP checks annotations, and ours would be strings
-    """A DDP comm hook: add the gradient bytes this rank sends to ``counter``, then allreduce as DDP does."""
-    counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)  # None: the default process group
+def _count_and_allreduce(state, bucket):  # unannotated: DDP checks annotations, and ours would be strings
+    """A DDP comm hook: add the bytes this rank sends to the counter, then allreduce as DDP does, over its group."""
+    state.counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(state.group, bucket)
+
+
+def comm_line(gradients: GradientBytes, averager: Any) -> str:
+    """``comm: ddp_bytes=... round_bytes=... node_round_bytes=...``: what this rank sent, by kind (the benchmarks
+    tell the bytes that cross nodes from those that stay inside with it)."""
+    rounds = averager.traffic.bytes if averager is not None else 0
+    node_rounds = averager.node_traffic.bytes if averager is not None else 0
+    return f"comm: ddp_bytes={gradients.bytes} round_bytes={rounds} node_round_bytes={node_rounds}"
 
 
 def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:

@@ -49,7 +49,9 @@ from common import (
     add_run_arguments,
     averager_options,
     check_arguments,
+    comm_line,
     fail,
+    layout,
     main,
     mode_name,
     resume,
@@ -122,7 +124,7 @@ def digits_gan(z_dim: int) -> tuple[nn.Module, nn.Module, Sampler]:
     return gen, disc, lambda n, g: images[torch.randint(len(images), (n,), generator=g)]
 
 
-def build(fabric: Fabric, args: argparse.Namespace) -> tuple[Any, ...]:
+def build(fabric: Fabric, args: argparse.Namespace, setup: dict[str, Any]) -> tuple[Any, ...]:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     if args.dataset == "ring":
         z_dim, ddp_kwargs = 2, None  # a 2-D latent for 2-D data covers the ring more reliably; no buffers
@@ -135,11 +137,11 @@ def build(fabric: Fabric, args: argparse.Namespace) -> tuple[Any, ...]:
         # rank 0 before each (a collective per forward, overwriting tensors autograd may have saved);
         # D only ever runs in training mode, so its running statistics are unused and can stay local.
         ddp_kwargs = {"disc": {SYNC_BUFFERS: False}}
-    gen, disc = setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=ddp_kwargs)
+    gen, disc = setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=ddp_kwargs, **setup)
     opt_g = torch.optim.Adam(gen.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(disc.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_g, opt_d = fabric.setup_optimizers(opt_g, opt_d)
-    return gen, disc, opt_g, opt_d, sample_real, z_dim, GradientBytes(gen, disc)
+    return gen, disc, opt_g, opt_d, sample_real, z_dim, GradientBytes([gen, disc])
 
 
 @torch.no_grad()
@@ -180,8 +182,9 @@ def save_picture(path: Path, samples: torch.Tensor) -> None:
 def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
-    gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args)
-    options = averager_options(args)
+    placement = layout(fabric, args)
+    gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
+    options = {**averager_options(args), **placement.averager} if args.period else {}
     if options and not args.overlap_steps:
         options["optimizers"] = [opt_g, opt_d]  # Adam moments averaged too, so a rank-0 checkpoint loses nothing
     averager = Averager(fabric, [gen, disc], **options) if options else None
@@ -266,6 +269,7 @@ def train(args: argparse.Namespace) -> int | None:
     else:
         result = "dataset=digits"
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {picture.name})", flush=True)
+    print(comm_line(grad_bytes, averager), flush=True)
     print(
         f"final: steps={args.steps} {result} wall_s={wall:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"

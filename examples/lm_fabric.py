@@ -63,7 +63,9 @@ from common import (
     add_run_arguments,
     averager_options,
     check_arguments,
+    comm_line,
     fail,
+    layout,
     main,
     mode_name,
     resume,
@@ -338,10 +340,10 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
-def build(fabric: Fabric, args: argparse.Namespace) -> tuple[nn.Module, Any, GradientBytes]:
+def build(fabric: Fabric, args: argparse.Namespace, setup: dict[str, Any]) -> tuple[nn.Module, Any, GradientBytes]:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = ByteLM(args.d_model, args.layers, args.heads, args.context, args.positions, args.tie_weights)
-    (model,) = setup_models(fabric, model=model)
+    (model,) = setup_models(fabric, model=model, **setup)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # biases and norms
     optimizer = torch.optim.AdamW(
@@ -350,7 +352,7 @@ def build(fabric: Fabric, args: argparse.Namespace) -> tuple[nn.Module, Any, Gra
         betas=(0.9, 0.95),
         foreach=True,  # one kernel per step for all tensors instead of one per tensor
     )
-    return model, fabric.setup_optimizers(optimizer), GradientBytes(model)
+    return model, fabric.setup_optimizers(optimizer), GradientBytes([model])
 
 
 def save_plot(path: Path, history: Sequence[Sequence[float]]) -> None:
@@ -384,8 +386,9 @@ def train(args: argparse.Namespace) -> int | None:
         corpus = load_corpus(args.data, args.context)
     except CorpusError as error:
         fail(fabric, f"--data: {error}")
-    model, optimizer, grad_bytes = build(fabric, args)
-    options = averager_options(args)
+    placement = layout(fabric, args)
+    model, optimizer, grad_bytes = build(fabric, args, placement.setup)
+    options = {**averager_options(args), **placement.averager} if args.period else {}
     if options and not args.overlap_steps:
         options["optimizers"] = [optimizer]  # AdamW's moments averaged too, so a rank-0 checkpoint loses nothing
     averager = Averager(fabric, model, **options) if options else None
@@ -484,6 +487,7 @@ def train(args: argparse.Namespace) -> int | None:
     iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
     iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {plot.name})", flush=True)
+    print(comm_line(grad_bytes, averager), flush=True)
     print(
         f"final: steps={args.steps} val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f} wall_s={wall:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"

@@ -14,6 +14,7 @@ Example::
 from fabric_multimodel.averaging import Averager, SyncReport, average_models, replicas_in_sync
 from fabric_multimodel.collectives import Traffic
 from fabric_multimodel.frozen import frozen
+from fabric_multimodel.groups import NodeGroups, node_groups
 from fabric_multimodel.models import Models, ddp_of, setup_models
 from fabric_multimodel.rounds import AveragingError, NonFiniteError
 
@@ -21,12 +22,14 @@ __all__ = [
     "Averager",
     "AveragingError",
     "Models",
+    "NodeGroups",
     "NonFiniteError",
     "SyncReport",
     "Traffic",
     "average_models",
     "ddp_of",
     "frozen",
+    "node_groups",
     "replicas_in_sync",
     "setup_models",
 ]

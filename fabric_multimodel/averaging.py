@@ -25,6 +25,7 @@ from fabric_multimodel.collectives import (
     group_size,
     tensors_fingerprint,
 )
+from fabric_multimodel.flat import FlatStorage
 from fabric_multimodel.models import Models, ddp_of
 from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
 from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
@@ -256,29 +257,12 @@ class Averager:
         comm_dtype: torch.dtype | None = None,
         overlap_steps: int = 0,
         check_finite: bool = True,
+        node_period: int | None = None,
+        node_group: ProcessGroup = None,
     ) -> None:
-        _check_int("period", period, minimum=1)
-        _check_int("warmup_steps", warmup_steps, minimum=0)
-        _check_int("overlap_steps", overlap_steps, minimum=0)
-        for name, flag in [("average_buffers", average_buffers), ("check_finite", check_finite)]:
-            if not isinstance(flag, bool):
-                raise TypeError(f"Averager: `{name}` must be True or False, got {flag!r}.")
-        if overlap_steps >= period:
-            raise ValueError(
-                f"Averager: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
-                " round is merged before the next one starts."
-            )
-        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-            raise TypeError(
-                "Averager: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None;"
-                f" got {comm_dtype!r}."
-            )
-        if isinstance(outer_optimizer, Optimizer):
-            raise TypeError(
-                "Averager: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
-                " given, not an optimizer: e.g."
-                " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
-            )
+        _check_arguments(
+            period, warmup_steps, overlap_steps, average_buffers, check_finite, comm_dtype, outer_optimizer
+        )
         module_list = _module_list(modules, "Averager")
         optimizers = _check_optimizers(optimizers, "Averager")
         if overlap_steps and optimizers:
@@ -286,7 +270,9 @@ class Averager:
                 "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
                 " stays local, as in DiLoCo, when `optimizers` is empty)."
             )
+        _check_two_levels(period, node_period, node_group, outer_optimizer, comm_dtype, overlap_steps)
         check_member(process_group, "Averager")
+        check_member(node_group, "Averager")
         if group_size(process_group) > 1:
             for module in module_list:
                 if not (isinstance(module, _FabricModule) or ddp_of(module) is not None):
@@ -294,61 +280,80 @@ class Averager:
                         f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
                         " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
                     )
+                _check_replicated(module)
+        ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
+        #: True when the modules' DDP synchronises inside each node and rounds average across nodes.
+        self.islands = _islands(ddps, process_group, node_period)
         self.period = period
         self.warmup_steps = warmup_steps
         self.average_buffers = average_buffers
         self.optimizers = list(optimizers)
         self.process_group = process_group
         self.overlap_steps = overlap_steps
+        self.node_period = node_period
+        self.node_group = node_group
         #: ``step()`` calls so far.
         self.steps = 0
         #: Averaging rounds done (by ``step()``, ``sync()`` or leaving the block), counted at launch.
         self.rounds = 0
-        #: Elements and bytes this averager sent in its rounds (per rank).
+        #: Elements and bytes this averager sent in its rounds (per rank), node-level rounds included.
         self.traffic = Traffic()
+        #: Two-level averaging: the rounds inside the node, and what they sent (part of ``rounds``/``traffic``).
+        self.node_rounds = 0
+        self.node_traffic = Traffic()
         self._device = fabric.device
         self._synced_at_step = 0
         self._launched_at: int | None = None
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
-        self._ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
+        self._ddps = [] if self.islands else ddps  # the DDPs this averager switches off after warm-up
 
         tensors, names, n_params = _averaged_tensors(module_list, average_buffers, _model_names(modules))
         self._has_buffers = len(tensors) > n_params
+        largest = max(group_size(process_group), group_size(node_group) if node_period else 1)
+        storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest)
+        overlap = overlap_steps > 0
         self._round: Round
         if outer_optimizer is not None:
             self._round = OuterRound(
-                tensors,
-                names,
+                storage,
                 n_params,
                 process_group,
                 outer_optimizer=outer_optimizer,
                 comm_dtype=comm_dtype,
-                overlap=overlap_steps > 0,
+                overlap=overlap,
                 check_finite=check_finite,
             )
         elif comm_dtype is not None:
             self._round = DeltaRound(
-                tensors,
-                names,
-                n_params,
-                process_group,
-                comm_dtype=comm_dtype,
-                overlap=overlap_steps > 0,
-                check_finite=check_finite,
+                storage, n_params, process_group, comm_dtype=comm_dtype, overlap=overlap, check_finite=check_finite
             )
         else:
-            self._round = MeanRound(tensors, names, process_group, overlap=overlap_steps > 0, check_finite=check_finite)
+            self._round = MeanRound(storage, process_group, overlap=overlap, check_finite=check_finite)
+        self._node_round = (
+            MeanRound(storage, node_group, overlap=False, check_finite=check_finite) if node_period else None
+        )
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
         settings = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
         problem = describe_disagreement(
-            repr((layout, settings, str(comm_dtype), overlap_steps, check_finite)), fabric.device, process_group
+            repr((layout, settings, str(comm_dtype), overlap_steps, check_finite, node_period, self.islands)),
+            fabric.device,
+            process_group,
         )
         if problem:
             raise ValueError(
                 "Averager: the modules' parameters (names, shapes, dtypes) or the arguments (period, warmup_steps,"
-                " average_buffers, optimizers, outer_optimizer, comm_dtype, overlap_steps, check_finite) differ"
-                f" across ranks; build the same models and Averager on every rank. {_shorten(problem)}"
+                " average_buffers, optimizers, outer_optimizer, comm_dtype, overlap_steps, check_finite,"
+                " node_period, the layout) differ across ranks; build the same models and Averager on every rank."
+                f" {_shorten(problem)}"
             )
+        if self.islands and group_size(process_group) > 1:
+            # DDP made every node's replicas identical, not the nodes': start them all from the same
+            # values, as DDP does for its own group (and the anchors with them).
+            source = _group_ranks(process_group, group_size(process_group))[0]
+            for flat in storage.buffers:
+                dist.broadcast(flat, src=source, group=process_group)
+            if isinstance(self._round, DeltaRound):
+                self._round.anchor_parameters()
 
     def __enter__(self) -> Averager:
         if self._ddp_settings is not None:
@@ -408,19 +413,25 @@ class Averager:
         if self._launched_at is not None and self.steps - self._launched_at >= self.overlap_steps:
             self._finish_pending()
         if self.steps <= self.warmup_steps:
-            # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
-            # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
-            if not self._has_buffers:
+            if self.islands:  # DDP keeps each node synchronous; warm-up keeps the nodes together too
+                self._round_now(blocking=True)
+            elif not self._has_buffers:
+                # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
+                # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
                 self._synced_at_step = self.steps
             if self.steps == self.warmup_steps:
                 self._apply_phase()
                 if isinstance(self._round, DeltaRound):
                     self._round.anchor_parameters()
-            return False
-        if (self.steps - self.warmup_steps) % self.period:
-            return False
-        self._round_now(blocking=self.overlap_steps == 0)
-        return True
+            return self.islands
+        local_steps = self.steps - self.warmup_steps
+        if local_steps % self.period == 0:
+            self._round_now(blocking=self.overlap_steps == 0)
+            return True
+        if self.node_period and local_steps % self.node_period == 0:
+            self._node_round_now()
+            return True
+        return False
 
     def sync(self) -> None:
         """Average now, on every rank (before evaluation or a checkpoint); replicas are identical after it.
@@ -512,8 +523,10 @@ class Averager:
             )
         label = f"averaging round {self.rounds + 1} at step {self.steps}"
         warming_up = self.steps < self.warmup_steps
-        if warming_up and isinstance(self._round, DeltaRound):
-            self._round.anchor_parameters()  # warm-up moved them (identically): rounds here are plain means
+        if warming_up and not self.islands and isinstance(self._round, DeltaRound):
+            # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
+            # In the islands layout, warm-up's own rounds keep the anchor current.
+            self._round.anchor_parameters()
         stamp = Stamp(
             self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at_step
         )
@@ -530,6 +543,18 @@ class Averager:
             self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
         self._synced_at_step = self.steps
 
+    def _node_round_now(self) -> None:
+        assert self._node_round is not None
+        label = f"averaging round {self.rounds + 1} (inside the node) at step {self.steps}"
+        stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], True)
+        self._node_round.launch(stamp, label=label, blocking=True)
+        self._check_stamps(self._node_round.finish(), label, self.node_group)
+        sent = self._node_round.traffic + all_reduce_mean_(_optimizer_state(self.optimizers), self.node_group)
+        self.traffic += sent
+        self.node_traffic += sent
+        self.rounds += 1
+        self.node_rounds += 1
+
     def _finish_pending(self) -> None:
         if self._launched_at is None:
             return
@@ -542,9 +567,10 @@ class Averager:
             self._launched_at = None
             self._round.discard()
 
-    def _check_stamps(self, stamps: list[Stamp], label: str) -> None:
-        ranks = _group_ranks(self.process_group, len(stamps))
-        mine = stamps[_position(self.process_group)]
+    def _check_stamps(self, stamps: list[Stamp], label: str, group: ProcessGroup | None = None) -> None:
+        group = group if group is not None else self.process_group
+        ranks = _group_ranks(group, len(stamps))
+        mine = stamps[_position(group)]
         for rank, stamp in zip(ranks, stamps):
             if stamp.steps != mine.steps:
                 raise AveragingError(
@@ -553,7 +579,7 @@ class Averager:
                     " iteration, on every rank."
                 )
         if any(stamp.layout != mine.layout for stamp in stamps):
-            problem = describe_disagreement(self._optimizer_layout()[1], self._device, self.process_group)
+            problem = describe_disagreement(self._optimizer_layout()[1], self._device, group)
             raise AveragingError(
                 f"{label}: the optimizers' state differs across ranks (build the same optimizer types and options,"
                 f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
@@ -586,6 +612,113 @@ class Averager:
                 # the first synchronous backward. Doing it here, on every rank at the same step, keeps
                 # that broadcast out of the local phase.
                 ddp._has_rebuilt_buckets = True
+
+
+def _check_arguments(
+    period: Any,
+    warmup_steps: Any,
+    overlap_steps: Any,
+    average_buffers: Any,
+    check_finite: Any,
+    comm_dtype: Any,
+    outer_optimizer: Any,
+) -> None:
+    _check_int("period", period, minimum=1)
+    _check_int("warmup_steps", warmup_steps, minimum=0)
+    _check_int("overlap_steps", overlap_steps, minimum=0)
+    for name, flag in [("average_buffers", average_buffers), ("check_finite", check_finite)]:
+        if not isinstance(flag, bool):
+            raise TypeError(f"Averager: `{name}` must be True or False, got {flag!r}.")
+    if overlap_steps >= period:
+        raise ValueError(
+            f"Averager: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
+            " round is merged before the next one starts."
+        )
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+        raise TypeError(
+            "Averager: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None;"
+            f" got {comm_dtype!r}."
+        )
+    if isinstance(outer_optimizer, Optimizer):
+        raise TypeError(
+            "Averager: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
+            " given, not an optimizer: e.g."
+            " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+        )
+
+
+def _check_two_levels(
+    period: int, node_period: Any, node_group: ProcessGroup, outer_optimizer: Any, comm_dtype: Any, overlap_steps: int
+) -> None:
+    if node_period is None:
+        if node_group is not None:
+            raise ValueError("Averager: `node_group` is only used with `node_period`; pass both or neither.")
+        return
+    _check_int("node_period", node_period, minimum=1)
+    if node_group is None:
+        raise ValueError(
+            "Averager: `node_period` needs `node_group`, the group of this rank's node (node_groups(fabric).node)."
+        )
+    if period % node_period or node_period == period:
+        raise ValueError(
+            f"Averager: `period` ({period}) must be a multiple of `node_period` ({node_period}), and larger: a round"
+            " across the world every `period` steps, inside the node every `node_period` steps in between."
+        )
+    if outer_optimizer is not None or comm_dtype is not None or overlap_steps:
+        raise ValueError(
+            "Averager: two-level averaging (`node_period`) is plain, blocking averaging; drop outer_optimizer,"
+            " comm_dtype and overlap_steps, or use the islands layout (DDP inside the node) for those."
+        )
+
+
+def _islands(ddps: Sequence[DistributedDataParallel], group: ProcessGroup, node_period: int | None) -> bool:
+    """Whether the modules' DDPs synchronise orthogonally to the averaging group (islands) or over it (flat).
+
+    The rule: a DDP over the averaging group itself is switched off after warm-up (local steps);
+    a DDP whose group meets the averaging group in this rank alone (its node, when averaging
+    across nodes) keeps synchronising every step; anything else is a mistake.
+    """
+    if not ddps or group_size(group) == 1:
+        return False
+    averaging = set(_group_ranks(group, group_size(group)))
+    kinds = set()
+    for ddp in ddps:
+        ranks = set(dist.get_process_group_ranks(ddp.process_group))
+        if ranks == averaging:
+            kinds.add("flat")
+        elif ranks & averaging == {dist.get_rank()}:
+            kinds.add("islands")
+        else:
+            raise ValueError(
+                f"Averager: a module's DDP synchronises over ranks {sorted(ranks)} and this Averager averages over"
+                f" {sorted(averaging)}; use DDP over the averaging group (flat: DDP is switched off after warm-up)"
+                " or over this rank's node with the Averager across nodes (islands: DDP keeps synchronising)."
+            )
+    if len(kinds) > 1:
+        raise ValueError(
+            "Averager: some modules' DDP synchronises over the averaging group and some inside the node; set up"
+            " every module the same way (setup_models(..., process_group=...) applies one group to all)."
+        )
+    if "islands" in kinds and node_period:
+        raise ValueError(
+            "Averager: two-level averaging (`node_period`) switches DDP off after warm-up, so set the models up with"
+            " DDP over the world (the default), not inside the node."
+        )
+    return "islands" in kinds
+
+
+def _check_replicated(module: nn.Module) -> None:
+    """Averaging needs a whole replica per rank: refuse sharded models (FSDP, DeepSpeed, tensor parallel)."""
+    from torch.distributed.tensor import DTensor
+
+    forward = module._forward_module if isinstance(module, _FabricModule) else module
+    forward = getattr(forward, "_orig_mod", forward)
+    wrapped = isinstance(forward, DistributedDataParallel) or forward is _plain(module)
+    if not wrapped or any(isinstance(p, DTensor) for p in module.parameters()):
+        raise TypeError(
+            f"Averager: {type(forward).__name__} holds a shard of the model on each rank, not a replica; averaging"
+            " needs DDP (or single-device) models: set them up with setup_models under a DDP strategy."
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -41,6 +41,7 @@ def setup_models(
     /,
     *,
     ddp_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    process_group: Any = None,
     **models: nn.Module,
 ) -> Models:
     """Set up each model with Fabric, each in its **own** ``DistributedDataParallel``.
@@ -60,9 +61,14 @@ def setup_models(
     ``ddp_kwargs`` names and options; a mismatch is a ``ValueError`` on every rank that says what
     differs, instead of a hang inside DDP.
 
+    ``process_group`` is the group every model's DDP synchronises over (the default group when
+    None); ``ddp_kwargs[name]["process_group"]`` overrides it for one model. The islands layout of
+    a multi-node run passes the node's group (see :func:`node_groups`).
+
     Args:
         fabric: a launched :class:`~lightning_fabric.Fabric`.
         ddp_kwargs: per-model ``DistributedDataParallel`` options, keyed by model name.
+        process_group: the group of every model's DDP (DDP strategies only).
         **models: the models to set up, by name; the order is kept.
 
     Returns:
@@ -70,9 +76,17 @@ def setup_models(
 
     Example::
 
-        gen, disc = setup_models(fabric, gen=G, disc=D, ddp_kwargs={"disc": {"broadcast_buffers": False}})
+        gen, disc = setup_models(fabric, gen=G, disc=D, ddp_kwargs={"disc": {"forward_sync_buffers": False}})
+        gen, disc = setup_models(fabric, gen=G, disc=D, process_group=node_groups(fabric).node)  # islands
     """
     _validate(fabric, ddp_kwargs, models)
+    if process_group is not None:
+        if not _builds_plain_ddp(fabric.strategy):
+            raise ValueError(
+                f"setup_models: `process_group` only applies to DDP strategies, but this Fabric uses"
+                f" {type(fabric.strategy).__name__}."
+            )
+        ddp_kwargs = {name: {"process_group": process_group, **(ddp_kwargs or {}).get(name, {})} for name in models}
     ddp_kwargs = ddp_kwargs or {}
     _check_agreement(fabric, ddp_kwargs, models)
     strategy = fabric.strategy

@@ -9,13 +9,14 @@ never touched. SGD with lr 1 and no momentum is plain averaging.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from fabric_multimodel.collectives import ProcessGroup
+from fabric_multimodel.flat import FlatStorage
 from fabric_multimodel.rounds import DeltaRound
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], Optimizer]
@@ -30,8 +31,7 @@ class OuterRound(DeltaRound):
 
     def __init__(
         self,
-        tensors: Sequence[torch.Tensor],
-        names: Sequence[str],
+        storage: FlatStorage,
         n_params: int,
         group: ProcessGroup,
         *,
@@ -40,9 +40,7 @@ class OuterRound(DeltaRound):
         overlap: bool,
         check_finite: bool,
     ) -> None:
-        super().__init__(
-            tensors, names, n_params, group, comm_dtype=comm_dtype, overlap=overlap, check_finite=check_finite
-        )
+        super().__init__(storage, n_params, group, comm_dtype=comm_dtype, overlap=overlap, check_finite=check_finite)
         self.params = self.storage.views(self.anchor, range(n_params))
         # The mean pseudo-gradient is computed in the parameters' own memory (scratch during a round).
         self._grads = self.storage.views(self.storage.data, range(n_params))

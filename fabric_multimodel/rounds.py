@@ -121,8 +121,7 @@ class Round:
 
     def __init__(
         self,
-        tensors: Sequence[torch.Tensor],
-        names: Sequence[str],
+        storage: FlatStorage,
         group: ProcessGroup,
         *,
         overlap: bool,
@@ -136,9 +135,15 @@ class Round:
         self.overlap = overlap
         self.check_finite = check_finite
         self.in_place = in_place
-        #: The tensors, re-homed into flat buffers (``spare`` holds the header when sent in place).
-        self.storage = FlatStorage(tensors, names, spare=self.header.size if in_place else 0)
+        #: The averaged tensors, living in flat buffers; a round sent in place carries its header in
+        #: their spare elements (shared by rounds over several groups: sized for the largest).
+        self.storage = storage
+        if in_place and storage.spare.numel() < self.header.size:
+            raise ValueError(f"the flat storage needs {self.header.size} spare elements for a round's header.")
         self.send = self._send_buffers(comm_dtype)
+        payload = sum(self.storage.sizes) if len(self.send) < len(self.storage.sizes) else self.storage.sizes[0]
+        self._tail = self.send[0][payload:]  # what follows the payload in the first send buffer
+        self._head = self._tail[: self.header.size]
         self._work: list[Any] = []
         self._blocking = True
         self._outer = True
@@ -195,7 +200,8 @@ class Round:
         """
         self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
         self._fill()
-        self.header.write(self.send[0][-self.header.size :], stamp)
+        self._tail.zero_()  # a round over a smaller group may leave its header in a larger spare
+        self.header.write(self._head, stamp)
         if self.world == 1:  # the sum over one rank is the payload itself: merge it all the same
             self._work = [_Done()]
             return
@@ -219,7 +225,7 @@ class Round:
                 w.wait()
         except RuntimeError as error:
             raise self._peer_error(error) from error
-        head = self.send[0][-self.header.size :]
+        head = self._head
         if self.check_finite:
             total = torch.stack(
                 [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self.send]
@@ -282,16 +288,8 @@ class MeanRound(Round):
     so that a replica with no local progress lands exactly on the mean.
     """
 
-    def __init__(
-        self,
-        tensors: Sequence[torch.Tensor],
-        names: Sequence[str],
-        group: ProcessGroup,
-        *,
-        overlap: bool,
-        check_finite: bool,
-    ) -> None:
-        super().__init__(tensors, names, group, overlap=overlap, check_finite=check_finite, in_place=not overlap)
+    def __init__(self, storage: FlatStorage, group: ProcessGroup, *, overlap: bool, check_finite: bool) -> None:
+        super().__init__(storage, group, overlap=overlap, check_finite=check_finite, in_place=not overlap)
         self.snapshot = self.storage.mirror() if overlap else []
 
     def _fill(self) -> None:
@@ -338,8 +336,7 @@ class DeltaRound(Round):
 
     def __init__(
         self,
-        tensors: Sequence[torch.Tensor],
-        names: Sequence[str],
+        storage: FlatStorage,
         n_params: int,
         group: ProcessGroup,
         *,
@@ -347,11 +344,10 @@ class DeltaRound(Round):
         overlap: bool,
         check_finite: bool,
     ) -> None:
-        dtypes = {t.dtype for t in tensors}
+        dtypes = {flat.dtype for flat in storage.buffers}
         in_place = not overlap and (comm_dtype is None or dtypes == {comm_dtype})
         super().__init__(
-            tensors,
-            names,
+            storage,
             group,
             overlap=overlap,
             check_finite=check_finite,

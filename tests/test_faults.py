@@ -62,8 +62,10 @@ def mismatched_setup_models(fabric, case):
         ("ddp_kwargs", ["bucket_cap_mb"]),
     ],
 )
-def test_setup_models_refuses_models_that_differ_across_ranks(worlds, case, words):
-    for (kind, message, seconds), check in worlds(2).run(mismatched_setup_models, case):
+def test_setup_models_refuses_models_that_differ_across_ranks(worlds, case, words, record_property):
+    results = worlds(2).run(mismatched_setup_models, case)
+    record_property("seconds", max(seconds for (_, _, seconds), _ in results))
+    for (kind, message, seconds), check in results:
         assert kind == "ValueError" and "differ across ranks" in message, message
         assert all(word in message for word in words), message
         assert "rank 0:" in message and "rank 1:" in message
@@ -103,8 +105,11 @@ def drifting_schedule(fabric, extra, warmup_steps, overlap_steps, outer):
 
 @pytest.mark.parametrize("extra", [True, False])
 @pytest.mark.parametrize("overlap_steps, outer", [(0, False), (1, False), (0, True), (2, True)])
-def test_schedule_drift_in_the_local_phase_is_an_error_on_every_rank(worlds, extra, overlap_steps, outer):
+def test_schedule_drift_in_the_local_phase_is_an_error_on_every_rank(
+    worlds, extra, overlap_steps, outer, record_property
+):
     results = worlds(2).run(drifting_schedule, extra, 2, overlap_steps, outer)
+    record_property("seconds", max(seconds for (_, _, seconds), _ in results))
     counts = []
     for (kind, message, seconds), check in results:
         assert kind == "AveragingError", message
@@ -128,13 +133,14 @@ def warmup_drift(fabric):
                 averager.step()
 
 
-def test_schedule_drift_in_warmup_fails_fast_instead_of_hanging():
+def test_schedule_drift_in_warmup_fails_fast_instead_of_hanging(record_property):
     # In warm-up, DDP's gradient allreduce pairs with whatever collective the other rank issues next;
     # nothing can tell them apart without a collective per step. Gloo detects the size mismatch and
     # aborts the process; what we promise is a prompt failure, not a hang.
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="warmup_drift failed"):
         run_world(2, warmup_drift, timeout=120)
+    record_property("seconds", time.monotonic() - start)  # the world's start included
     assert time.monotonic() - start < 60
 
 
@@ -157,8 +163,10 @@ def different_optimizer_layouts(fabric):
     return timed_error(run), still_in_step()
 
 
-def test_optimizer_state_that_differs_across_ranks_is_an_error_at_the_first_round(worlds):
-    for (kind, message, seconds), check in worlds(2).run(different_optimizer_layouts):
+def test_optimizer_state_that_differs_across_ranks_is_an_error_at_the_first_round(worlds, record_property):
+    results = worlds(2).run(different_optimizer_layouts)
+    record_property("seconds", max(seconds for (_, _, seconds), _ in results))
+    for (kind, message, seconds), check in results:
         assert kind == "AveragingError" and "averaging round 1 at step 2" in message, message
         assert "optimizers' state differs across ranks" in message and "max_exp_avg_sq" in message
         assert seconds < 10 and check == 2
@@ -197,8 +205,10 @@ def nonfinite_on_one_rank(fabric, value, kind):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("kind", ["plain", "diloco", "bf16", "overlap"])
-def test_nonfinite_values_on_one_rank_raise_on_every_rank(worlds, value, kind):
-    for (name, message, seconds), in_sync, finite, check in worlds(2).run(nonfinite_on_one_rank, value, kind):
+def test_nonfinite_values_on_one_rank_raise_on_every_rank(worlds, value, kind, record_property):
+    results = worlds(2).run(nonfinite_on_one_rank, value, kind)
+    record_property("seconds", max(seconds for (_, _, seconds), *_ in results))
+    for (name, message, seconds), in_sync, finite, check in results:
         assert name == "NonFiniteError", message
         assert "NaN or Inf" in message and "disc.0.weight" in message and "gen." not in message, message
         assert seconds < 10 and check == 2
@@ -257,7 +267,8 @@ def test_replicas_in_sync_tells_parameters_buffers_and_nonfinite_apart(worlds):
 
 def group_without_this_rank(fabric):
     group = dist.new_group([0, 1])  # every rank must call new_group; rank 2 is not a member
-    (m,) = setup_models(fabric, m=nn.Linear(2, 2))
+    alone = dist.new_group([2])
+    (m,) = setup_models(fabric, m=nn.Linear(2, 2), process_group=group if fabric.global_rank < 2 else alone)
     errors = {}
     if fabric.global_rank == 2:
         for name, call in {
@@ -349,11 +360,12 @@ def peer_dies_or_stalls(fabric, fault, phase):
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
 @pytest.mark.parametrize("phase", ["warm-up", "local"])
-def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase):
+def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase, record_property):
     timeout_s = 5
     survivor, peer = run_faulty_world(2, peer_dies_or_stalls, fault, phase, timeout_s=timeout_s, deadline_s=90)
     assert survivor is not None and survivor.error is not None, survivor
     _, seconds = survivor.value
+    record_property("seconds", seconds)
     if phase == "local":  # the next round says which round and step, and why
         assert survivor.error.startswith(
             "AveragingError: averaging round 1 at step 5 failed: a peer exited or is unreachable"
@@ -365,3 +377,23 @@ def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase
     if fault == "stalled":
         assert seconds >= timeout_s - 1 and "timed out" in survivor.error.lower(), (seconds, survivor.error)
     assert peer is None or fault == "stalled"
+
+
+# --- sharded models cannot be averaged ----------------------------------------------------------------
+
+
+def sharded_model(fabric):
+    from lightning_fabric.wrappers import _FabricModule
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (fabric.world_size,))
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))  # tensor parallel
+    module = _FabricModule(layer, fabric.strategy, original_module=layer)
+    return timed_error(lambda: Averager(fabric, module, period=2))[:2], still_in_step()
+
+
+def test_sharded_models_are_refused(worlds):
+    for (kind, message), check in worlds(2).run(sharded_model):
+        assert kind == "TypeError" and "holds a shard of the model" in message and check == 2

@@ -83,6 +83,12 @@ def finish(launched: Launched) -> Run:
     return Run(launched.out, stdout, final)
 
 
+def comm_parts(run: Run) -> dict[str, int]:
+    """The ``comm: ddp_bytes=... round_bytes=... node_round_bytes=...`` line: the bytes by kind."""
+    (line,) = [line for line in run.stdout.splitlines() if line.startswith("comm: ")]
+    return {key: int(value) for key, value in (token.split("=") for token in line.split()[1:])}
+
+
 def checkpoint(run: Run) -> dict:
     return torch.load(run.out / "checkpoint.pt", weights_only=True)
 
@@ -143,6 +149,7 @@ def test_synchronous_run_sends_the_parameter_bytes_every_step(sync_run: Run) -> 
     assert final["wall_s"] > 0 and final["iter_ms_median"] > 0 and final["iter_ms_mean"] > 0
     assert final["comm_bytes_per_iter"] == param_bytes(saved) > 0
     assert final["comm_bytes"] == 9 * param_bytes(saved)
+    assert comm_parts(sync_run) == {"ddp_bytes": 9 * param_bytes(saved), "round_bytes": 0, "node_round_bytes": 0}
 
 
 def test_run_writes_checkpoint_metrics_plot_and_a_sample(sync_run: Run, lm: ModuleType) -> None:
@@ -183,6 +190,8 @@ def test_local_sgd_counts_rounds_and_bytes(local_run: Run, sync_run: Run) -> Non
     assert saved["averager"]["steps"] == 12 and saved["averager"]["rounds"] == rounds
     params = param_bytes(saved)
     assert final["comm_bytes"] == 4 * params + rounds * round_bytes(params, world=2)
+    parts = {"ddp_bytes": 4 * params, "round_bytes": rounds * round_bytes(params, world=2), "node_round_bytes": 0}
+    assert comm_parts(local_run) == parts  # warm-up: gradients; after it, rounds only
     assert final["comm_bytes_per_iter"] < sync_run.final["comm_bytes_per_iter"]
 
 
@@ -278,6 +287,7 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--clip", "-1"], "--clip"),
         (["--period", "-1"], "--period"),
         (["--outer", "nesterov"], "need --period"),
+        (["--layout", "islands"], "need --period"),
         (["--positions", "sinusoidal", "--d-model", "63", "--heads", "1"], "even --d-model"),
         (["--steps", "many"], "'many'"),
     ],

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning_fabric import Fabric
-from lightning_fabric.strategies import ModelParallelStrategy
+from lightning_fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 
-from fabric_multimodel import Models, ddp_of, frozen, setup_models
+from fabric_multimodel import Averager, Models, ddp_of, frozen, replicas_in_sync, setup_models
 from tests.gan import collectives, gan_iteration, make_gan
 
 
@@ -230,6 +230,49 @@ def test_ddp_kwargs_rejected_under_a_sharding_strategy():
     fabric = Fabric(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(parallelize_fn=lambda m, mesh: m))
     with pytest.raises(ValueError, match="only applies to DDP strategies.*ModelParallelStrategy"):
         setup_models(fabric, gen=nn.Linear(2, 2), ddp_kwargs={"gen": {"broadcast_buffers": False}})
+
+
+class WrapsItsOwnModules(DDPStrategy):
+    """A DDPStrategy subclass that wraps modules its own way, as Fabric's DeepSpeedStrategy does."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+
+def test_ddp_subclasses_that_wrap_their_own_way_are_left_to_fabric():
+    # DeepSpeedStrategy subclasses DDPStrategy but builds its own engine: ddp_kwargs cannot apply there.
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=WrapsItsOwnModules())
+    with pytest.raises(ValueError, match="only applies to DDP strategies.*WrapsItsOwnModules"):
+        setup_models(fabric, gen=nn.Linear(2, 2), ddp_kwargs={"gen": {"bucket_cap_mb": 1}})
+    with pytest.raises(ValueError, match="`process_group` only applies to DDP strategies"):
+        setup_models(fabric, gen=nn.Linear(2, 2), process_group=object())
+
+
+def untrainable_teacher(fabric):
+    """A frozen teacher beside a trained student: no DDP for the teacher, training works, averaging too."""
+    torch.manual_seed(0)
+    teacher = nn.Linear(3, 3)
+    teacher.requires_grad_(False)
+    student, teacher = setup_models(fabric, student=nn.Linear(3, 3), teacher=teacher)
+    opt = fabric.setup_optimizers(torch.optim.SGD(student.parameters(), lr=0.1))
+    with Averager(fabric, [student, teacher], period=2) as averager:
+        for _ in range(3):
+            x = torch.randn(4, 3)
+            fabric.backward(nn.functional.mse_loss(student(x), teacher(x)))
+            opt.step()
+            opt.zero_grad()
+            averager.step()
+    return {
+        "ddp": [ddp_of(student) is not None, ddp_of(teacher) is not None],
+        "fabric_module": type(teacher).__name__,
+        "in_sync": bool(replicas_in_sync(fabric, [student, teacher])),
+    }
+
+
+def test_a_model_with_no_trainable_parameters_is_set_up_without_ddp(worlds):
+    for result in worlds(2).run(untrainable_teacher):
+        assert result["ddp"] == [True, False]
+        assert result["fabric_module"] == "_FabricModule" and result["in_sync"]
 
 
 # --- bad input raises on every rank, before any collective ----------------------------------------
