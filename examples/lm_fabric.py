@@ -31,11 +31,12 @@ machine-readable line (wrapped here)::
     final: steps=2000 val_loss=1.4833 val_bpb=2.1400 wall_s=113.5 iter_ms_median=55.51
         iter_ms_mean=56.25 comm_bytes=1747968000 comm_bytes_per_iter=873984.0 rounds=0
 
-That is the first command on a 2-core CPU (4 processes, seed 0, the default 218,496-parameter
-model; one process takes 16.9 ms a step). The final validation loss is that of the averaged model
-(identical on every rank), on the same ``--eval-batches`` held-out batches in every run;
-``val_bpb`` is it in bits per byte. With ``--period 16`` the same machine reached 1.5853 (2.2871
-bits per byte) at 40.45 ms a step in 117 rounds, sending 28% of the bytes.
+That is the first command on a quiet 2-core CPU (4 processes, seed 0, the default
+218,496-parameter model; 100-160 ms a step while other work loads the cores; one process takes
+16.9 ms a step). The final validation loss is that of the averaged model (identical on every
+rank), on the same ``--eval-batches`` held-out batches in every run; ``val_bpb`` is it in bits per
+byte. With ``--period 16`` the same machine reached 1.5853 (2.2871 bits per byte) at 40.45 ms a
+step in 117 rounds, sending 28% of the bytes.
 """
 
 from __future__ import annotations
