@@ -301,7 +301,10 @@ class StopSignal:
 
 
 class Progress:
-    """Rank 0's progress: a tqdm bar on a terminal, a plain line every ``every`` steps in a log file."""
+    """Rank 0's progress: a tqdm bar on a terminal, a plain line every ``every`` steps in a log file.
+
+    The bar counts steps; the rate in ``unit``/s (``scale`` units per step) is shown every ``every`` steps.
+    """
 
     def __init__(self, total: int, start: int, every: int, enabled: bool, unit: str = "it") -> None:
         self.total, self.every, self.enabled, self.unit = total, every, enabled, unit
@@ -310,7 +313,7 @@ class Progress:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=start, unit=unit, dynamic_ncols=True, leave=True)
+            self.bar = tqdm(total=total, initial=start, unit="it", dynamic_ncols=True, leave=True)
 
     def __call__(self, step: int, metrics: Callable[[], dict[str, float]], scale: float = 1.0) -> None:
         """Advance to ``step``; ``metrics()`` is only evaluated when something is shown; ``scale`` units per step."""
@@ -318,16 +321,18 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            if step % self.every == 0 or step == self.total:
-                self.bar.set_postfix({k: f"{v:.3f}" for k, v in metrics().items()})
-            return
         if step % self.every and step != self.total:
             return
         now = time.perf_counter()
         rate = (step - self.mark[1]) * scale / max(now - self.mark[0], 1e-9)
         self.mark = (now, step)
-        shown = " ".join(f"{k}={v:.3f}" for k, v in metrics().items())
-        print(f"step {step}/{self.total} {shown} {rate:,.0f} {self.unit}/s", flush=True)
+        shown = {k: f"{v:.3f}" for k, v in metrics().items()}
+        if self.bar is not None:
+            # tqdm shows steps per second already; a unit of its own gets its own rate.
+            self.bar.set_postfix({**shown, f"{self.unit}/s": f"{rate:,.0f}"} if self.unit != "it" else shown)
+            return
+        shown_text = " ".join(f"{k}={v}" for k, v in shown.items())
+        print(f"step {step}/{self.total} {shown_text} {rate:,.0f} {self.unit}/s", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
