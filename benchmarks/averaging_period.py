@@ -78,7 +78,7 @@ LM = Task(
         "comm_bytes", "comm_bytes_per_iter", "rounds",
     ),
     quality=("val_loss", "val_bpb"),
-    steps=3000,
+    steps=2000,
     quick_steps=40,
     warmup_steps=20,
 )  # fmt: skip

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -162,8 +162,13 @@ def start_fabric(args: argparse.Namespace, **kwargs: Any) -> Fabric:
     return fabric
 
 
-def averager_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The Averager's keyword arguments for ``--period`` and friends (empty for synchronous DDP)."""
+def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Sequence[Any]) -> dict[str, Any]:
+    """The Averager's keyword arguments for ``--period`` and friends (empty for synchronous DDP).
+
+    Plain blocking averaging also averages the optimizers' moments, so a checkpoint written by rank 0
+    loses nothing; DiLoCo keeps them local, as DiLoCo does (its rounds send the parameters only), and
+    overlapped rounds cannot carry them.
+    """
     if not args.period:
         return {}
     options: dict[str, Any] = {
@@ -177,7 +182,9 @@ def averager_options(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.comm_dtype == "bfloat16":
         options["comm_dtype"] = torch.bfloat16
-    return options
+    if args.outer == "none" and not args.overlap_steps:
+        options["optimizers"] = list(optimizers)
+    return {**options, **placement.averager}
 
 
 class Layout(NamedTuple):

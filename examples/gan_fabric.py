@@ -184,9 +184,7 @@ def train(args: argparse.Namespace) -> int | None:
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
     placement = layout(fabric, args)
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
-    options = {**averager_options(args), **placement.averager} if args.period else {}
-    if options and not args.overlap_steps:
-        options["optimizers"] = [opt_g, opt_d]  # Adam moments averaged too, so a rank-0 checkpoint loses nothing
+    options = averager_options(args, placement, [opt_g, opt_d])
     averager = Averager(fabric, [gen, disc], **options) if options else None
     config = run_config(args, dataset=args.dataset, z_dim=z_dim)
     state: dict[str, Any] = {

@@ -21,7 +21,8 @@ AdamW (weight decay on matrices only), a linear learning-rate warm-up over the f
 ``--steps``, then a cosine decay to 10% of ``--lr`` at ``--steps`` (a resume to a larger
 ``--steps`` stretches the rest of that curve). With ``--period N`` an ``Averager`` runs
 ``--warmup-steps`` synchronous steps, then local steps with no communication, averaging the
-replicas (and AdamW's moments) every N steps; ``--outer nesterov`` makes the rounds DiLoCo's.
+replicas (and AdamW's moments) every N steps; ``--outer nesterov`` makes the rounds DiLoCo's
+(outer Nesterov steps on the averaged pseudo-gradients; AdamW's moments stay local).
 
 Rank 0 writes ``OUT/checkpoint.pt``, CSV metrics under ``OUT/logs/`` (train loss, and every
 ``--log-every`` steps the validation loss of rank 0's replica and the bytes sent so far),
@@ -389,9 +390,7 @@ def train(args: argparse.Namespace) -> int | None:
         fail(fabric, f"--data: {error}")
     placement = layout(fabric, args)
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
-    options = {**averager_options(args), **placement.averager} if args.period else {}
-    if options and not args.overlap_steps:
-        options["optimizers"] = [optimizer]  # AdamW's moments averaged too, so a rank-0 checkpoint loses nothing
+    options = averager_options(args, placement, [optimizer])
     averager = Averager(fabric, model, **options) if options else None
     config = run_config(
         args,
