@@ -84,7 +84,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dataset", choices=["ring", "digits"], default="ring")
     p.add_argument("--steps", type=int, default=3000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--lr", type=float, default=4e-3, help="Adam's learning rate, decayed linearly to 1%% of it by --steps"
+    )
     p.add_argument("--seed", type=int, default=0)
     add_averaging_arguments(p, warmup_steps=500)
     add_run_arguments(p)
@@ -142,6 +144,17 @@ def build(fabric: Fabric, args: argparse.Namespace, setup: dict[str, Any]) -> tu
     opt_d = torch.optim.Adam(disc.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_g, opt_d = fabric.setup_optimizers(opt_g, opt_d)
     return gen, disc, opt_g, opt_d, sample_real, z_dim, GradientBytes([gen, disc])
+
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """Linear decay from --lr to 1% of it at --steps: a high rate trains the ring fast, a low one ends it tight."""
+    return args.lr * (1 - 0.99 * (step - 1) / max(1, args.steps - 1))
+
+
+def set_learning_rate(optimizers: list[Any], lr: float) -> None:
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 @torch.no_grad()
@@ -215,6 +228,7 @@ def train(args: argparse.Namespace) -> int | None:
     with averager or nullcontext():
         for step in range(state["step"] + 1, args.steps + 1):
             tick = time.perf_counter()
+            set_learning_rate([opt_g, opt_d], learning_rate(args, step))
             real = sample_real(args.batch_size, data_gen).to(fabric.device)
             z = torch.randn(args.batch_size, z_dim, generator=data_gen).to(fabric.device)
             fake = gen(z)

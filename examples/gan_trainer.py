@@ -35,14 +35,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from common import GradientBytes
 from pytorch_lightning.loggers import CSVLogger
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_multimodel import frozen
@@ -63,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="gan_trainer.py", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3000, help="training batches (iterations)")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=4e-3, help="Adam's learning rate, decayed linearly to 1%% of it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--period", type=int, default=0, help="0: synchronous DDP; N: average every N batches")
     p.add_argument("--warmup-steps", type=int, default=500, help="synchronous batches before local SGD")
@@ -105,7 +104,9 @@ class RingGAN(pl.LightningModule):
         trainer.fit(RingGAN())
     """
 
-    def __init__(self, lr: float = 1e-3, batch_size: int = 64, seed: int = 0, z_dim: int = 2) -> None:
+    def __init__(
+        self, lr: float = 4e-3, batch_size: int = 64, seed: int = 0, z_dim: int = 2, steps: int = 3000
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
@@ -114,6 +115,12 @@ class RingGAN(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         real, z = batch
         opt_g, opt_d = self.optimizers()
+        # As examples/gan_fabric.py: a linear decay to 1% of lr at the last step keeps the modes tight.
+        # (Under manual optimization global_step counts optimizer steps: two per batch here.)
+        lr = self.hparams.lr * (1 - 0.99 * (self.global_step // 2) / max(1, self.hparams.steps - 1))
+        for opt in (opt_g, opt_d):
+            for group in opt.param_groups:
+                group["lr"] = lr
         ones = torch.ones(real.shape[0], 1, device=real.device)
         fake = self.generator(z)
         d_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
@@ -147,26 +154,19 @@ class RingGAN(pl.LightningModule):
         return self.generator(z.to(self.device)).cpu()
 
 
-def count_and_allreduce(counter, bucket):  # unannotated: DDP checks annotations, and ours would be strings
-    """A DDP comm hook: add the gradient bytes this rank sends to ``counter``, then allreduce as DDP does."""
-    counter.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)  # None: the default process group
-
-
 class Meter(pl.Callback):
     """Gradient bytes (a comm hook on each model's DDP), per-batch times and rank 0's progress lines."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.grad = SimpleNamespace(bytes=0)
+        self.grad = GradientBytes([])
         self.iter_seconds: list[float] = []
         self._tick = 0.0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size == 1:
             return  # DDP's allreduce over one rank sends nothing
-        for ddp in trainer.strategy.ddp_modules.values():
-            ddp.register_comm_hook(self.grad, count_and_allreduce)
+        self.grad = GradientBytes(trainer.strategy.ddp_modules.values())
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self._tick = time.perf_counter()
@@ -201,7 +201,7 @@ def train(args: argparse.Namespace) -> tuple[str | None, list[Any]]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    gan = RingGAN(args.lr, args.batch_size, args.seed)
+    gan = RingGAN(args.lr, args.batch_size, args.seed, steps=args.steps)
     wall = time.perf_counter()
     trainer.fit(gan)
     wall = time.perf_counter() - wall

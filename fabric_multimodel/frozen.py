@@ -35,8 +35,9 @@ def frozen(*modules: nn.Module) -> Iterator[None]:
         for module in modules:
             ddp = ddp_of(module)
             if ddp is not None:
-                # Without this DDP's forward would expect a gradient for every parameter and fail
-                # (or, with find_unused_parameters, allreduce zeros) in the next iteration.
+                # Without this DDP's forward prepares a reduction of this model's gradients that the
+                # backward never completes (its parameters get none): the reducer is left waiting,
+                # and with find_unused_parameters it allreduces zeros instead.
                 stack.enter_context(ddp.no_sync())
         try:
             for p in params:

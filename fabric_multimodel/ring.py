@@ -8,6 +8,7 @@ high-quality sample. The example and the benchmarks share this module.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -79,8 +80,11 @@ def ring_quality(
 def ring_gan(z_dim: int = 2, hidden: int = 128, layers: int = 3) -> tuple[nn.Module, nn.Module]:
     """A generator ``z -> (x, y)`` and a discriminator ``(x, y) -> logit``: MLPs of ``layers`` linear layers.
 
-    A 2-D latent for 2-D data covers all eight modes far more reliably in a few thousand steps than
-    a wider one (16 lost modes on some seeds in the example's tuning).
+    The generator uses ReLU, the discriminator LeakyReLU(0.2). A ReLU generator can map whole
+    regions of the latent onto a point, which keeps the modes tight (with LeakyReLU a large share
+    of the samples lands between the modes); a ReLU discriminator, though, left some modes with a
+    handful of samples. A 2-D latent for 2-D data covers all eight modes far more reliably in a few
+    thousand steps than a wider one.
 
     Example::
 
@@ -88,13 +92,13 @@ def ring_gan(z_dim: int = 2, hidden: int = 128, layers: int = 3) -> tuple[nn.Mod
         logits = disc(gen(torch.randn(64, 2)))
     """
 
-    def mlp(n_in: int, n_out: int) -> nn.Sequential:
+    def mlp(n_in: int, n_out: int, activation: type[nn.Module] | functools.partial) -> nn.Sequential:
         sizes = [n_in] + [hidden] * (layers - 1) + [n_out]
         blocks: list[nn.Module] = []
         for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
             blocks.append(nn.Linear(a, b))
             if i < layers - 1:
-                blocks.append(nn.LeakyReLU(0.2))
+                blocks.append(activation())
         return nn.Sequential(*blocks)
 
-    return mlp(z_dim, 2), mlp(2, 1)
+    return mlp(z_dim, 2, nn.ReLU), mlp(2, 1, functools.partial(nn.LeakyReLU, 0.2))

@@ -1,4 +1,4 @@
-"""Averager, average_models, replicas_in_sync: the invariants of DESIGN.md section 3, in gloo worlds."""
+"""Averager, average_models, replicas_in_sync: the invariants of docs/design.md section 4, in gloo worlds."""
 
 from __future__ import annotations
 

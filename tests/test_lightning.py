@@ -208,6 +208,8 @@ def test_tutorial_gan_allreduces_each_model_once_per_iteration(worlds, tmp_path)
 
 
 def load_example():
+    if str(EXAMPLE.parent) not in sys.path:  # the example imports its neighbour examples/common.py
+        sys.path.insert(0, str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("gan_trainer", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -217,7 +219,7 @@ def load_example():
 def ring_gan_quality(fabric, steps, period):
     example = load_example()
     pl.seed_everything(0, verbose=False)
-    gan = example.RingGAN(lr=1e-3, batch_size=64, seed=0)
+    gan = example.RingGAN(batch_size=64, seed=0, steps=steps)
     untrained = ring_quality(gan.sample(2500))
     # Warm-up 98: the batches after it are no multiple of the period, so only the round on leaving fit syncs the end.
     callbacks = [ModelAveraging(period, warmup_steps=98, average_optimizer_state=True)] if period else []
