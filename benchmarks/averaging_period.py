@@ -3,8 +3,8 @@
 Runs an example under ``fabric run`` once per setting and seed and parses its last line (``final:
 key=value ...``) and its ``comm:`` line (bytes per kind of collective). Seeds are the outer loop,
 settings the inner one, so machine noise hits every setting. Every run keeps its logs in
-``<out>/averaging_period_runs/<task>/<setting>_seed<S>/``; a failed run's folder is renamed
-``...-failed-<time>`` (never overwritten) and the sweep says where it is.
+``<out>/averaging_period_runs/<name>/<setting>_seed<S>/`` (``<name>``: the results' file name); a
+failed run's folder is renamed ``...-failed-<time>`` (never overwritten) and the sweep says where it is.
 
 Tasks:
 
