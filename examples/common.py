@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -236,6 +237,21 @@ def comm_line(gradients: GradientBytes, averager: Any) -> str:
     rounds = averager.traffic.bytes if averager is not None else 0
     node_rounds = averager.node_traffic.bytes if averager is not None else 0
     return f"comm: ddp_bytes={gradients.bytes} round_bytes={rounds} node_round_bytes={node_rounds}"
+
+
+def final_line(
+    steps: int, quality: str, *, wall_s: float, iter_seconds: Sequence[float], comm_bytes: int, rounds: int
+) -> str:
+    """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
+    the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``)."""
+    # The median is a typical local step; the mean also carries the averaging rounds' share.
+    iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
+    iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
+    return (
+        f"final: steps={steps} {quality} wall_s={wall_s:.1f}"
+        f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
+        f" comm_bytes={comm_bytes} comm_bytes_per_iter={comm_bytes / steps:.1f} rounds={rounds}"
+    )
 
 
 def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
