@@ -33,11 +33,18 @@ from fabric_multimodel.launch import shutdown
 UNDER_CLI = os.environ.get("LT_CLI_USED") == "1"  # started by `fabric run`, which owns devices and processes
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help  # a missing value says nothing; a help text may spell its default out
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (4 processes would interleave a usage block) and defaults in --help."""
 
     def __init__(self, prog: str, description: str) -> None:
-        super().__init__(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(prog=prog, description=description, formatter_class=_DefaultsHelp)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -83,7 +90,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-nodes", type=int, default=1, help="nodes, this script started on each; under `fabric run`, give it there"
     )
-    g.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
+    g.add_argument(
+        "--accelerator",
+        choices=["auto", "cpu", "cuda", "gpu", "mps"],
+        default="auto",
+        help="with --devices, when the script starts its own processes",
+    )
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

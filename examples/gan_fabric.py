@@ -80,13 +80,18 @@ def parse_args() -> argparse.Namespace:
     p = Parser(
         "gan_fabric.py", "Train a GAN on the 8-Gaussian ring with per-model DDP, frozen and (optionally) local SGD."
     )
-    p.add_argument("--dataset", choices=["ring", "digits"], default="ring")
+    p.add_argument(
+        "--dataset",
+        choices=["ring", "digits"],
+        default="ring",
+        help="ring: 8 Gaussians on a circle; digits: scikit-learn's 8x8 digits (the digits extra)",
+    )
     p.add_argument("--steps", type=int, default=3000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument(
         "--lr", type=float, default=4e-3, help="Adam's learning rate, decayed linearly to 1%% of it by --steps"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every rank) and data")
     add_averaging_arguments(p, warmup_steps=500)
     add_run_arguments(p)
     args = p.parse_args()

@@ -95,7 +95,11 @@ SAMPLE_TEMPERATURE = 0.7
 def parse_args() -> argparse.Namespace:
     p = Parser("lm_fabric.py", "Train a small byte-level language model with DDP or local SGD / DiLoCo (the Averager).")
     p.add_argument(
-        "--data", type=Path, nargs="+", metavar="PATH", help="text files or folders (None: Python's standard library)"
+        "--data",
+        type=Path,
+        nargs="+",
+        metavar="PATH",
+        help="text files or folders (default: the .py files of this Python's standard library)",
     )
     p.add_argument("--steps", type=int, default=2000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per process and step")
