@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -32,11 +33,18 @@ from fabric_multimodel.launch import shutdown
 UNDER_CLI = os.environ.get("LT_CLI_USED") == "1"  # started by `fabric run`, which owns devices and processes
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help  # a missing value says nothing; a help text may spell its default out
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors (4 processes would interleave a usage block) and defaults in --help."""
 
     def __init__(self, prog: str, description: str) -> None:
-        super().__init__(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(prog=prog, description=description, formatter_class=_DefaultsHelp)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -82,7 +90,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-nodes", type=int, default=1, help="nodes, this script started on each; under `fabric run`, give it there"
     )
-    g.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
+    g.add_argument(
+        "--accelerator",
+        choices=["auto", "cpu", "cuda", "gpu", "mps"],
+        default="auto",
+        help="with --devices, when the script starts its own processes",
+    )
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -236,6 +249,21 @@ def comm_line(gradients: GradientBytes, averager: Any) -> str:
     rounds = averager.traffic.bytes if averager is not None else 0
     node_rounds = averager.node_traffic.bytes if averager is not None else 0
     return f"comm: ddp_bytes={gradients.bytes} round_bytes={rounds} node_round_bytes={node_rounds}"
+
+
+def final_line(
+    steps: int, quality: str, *, wall_s: float, iter_seconds: Sequence[float], comm_bytes: int, rounds: int
+) -> str:
+    """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
+    the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``)."""
+    # The median is a typical local step; the mean also carries the averaging rounds' share.
+    iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
+    iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
+    return (
+        f"final: steps={steps} {quality} wall_s={wall_s:.1f}"
+        f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
+        f" comm_bytes={comm_bytes} comm_bytes_per_iter={comm_bytes / steps:.1f} rounds={rounds}"
+    )
 
 
 def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:

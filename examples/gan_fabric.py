@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import math
-import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -51,6 +49,7 @@ from common import (
     check_arguments,
     comm_line,
     fail,
+    final_line,
     layout,
     main,
     mode_name,
@@ -81,13 +80,18 @@ def parse_args() -> argparse.Namespace:
     p = Parser(
         "gan_fabric.py", "Train a GAN on the 8-Gaussian ring with per-model DDP, frozen and (optionally) local SGD."
     )
-    p.add_argument("--dataset", choices=["ring", "digits"], default="ring")
+    p.add_argument(
+        "--dataset",
+        choices=["ring", "digits"],
+        default="ring",
+        help="ring: 8 Gaussians on a circle; digits: scikit-learn's 8x8 digits (the digits extra)",
+    )
     p.add_argument("--steps", type=int, default=3000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument(
         "--lr", type=float, default=4e-3, help="Adam's learning rate, decayed linearly to 1%% of it by --steps"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every rank) and data")
     add_averaging_arguments(p, warmup_steps=500)
     add_run_arguments(p)
     args = p.parse_args()
@@ -272,9 +276,6 @@ def train(args: argparse.Namespace) -> int | None:
     picture = args.out / ("samples.png" if args.dataset == "ring" else "digits.png")
     save_picture(picture, samples)
     comm = grad_bytes.bytes + (averager.traffic.bytes if averager is not None else 0)
-    # The median is a typical local step; the mean also carries the averaging rounds' share.
-    iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
-    iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
     if args.dataset == "ring":
         quality = ring_quality(samples)
         result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
@@ -282,11 +283,9 @@ def train(args: argparse.Namespace) -> int | None:
         result = "dataset=digits"
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {picture.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
+    rounds = averager.rounds if averager is not None else 0
     print(
-        f"final: steps={args.steps} {result} wall_s={wall:.1f}"
-        f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
-        f" comm_bytes={comm} comm_bytes_per_iter={comm / args.steps:.1f}"
-        f" rounds={averager.rounds if averager is not None else 0}",
+        final_line(args.steps, result, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm, rounds=rounds),
         flush=True,
     )
     return None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from typing import Any, NoReturn
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from common import GradientBytes
+from common import GradientBytes, final_line
 from pytorch_lightning.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -211,17 +210,9 @@ def train(args: argparse.Namespace) -> tuple[str | None, list[Any]]:
         return None, children
     quality = ring_quality(gan.sample(EVAL_SAMPLES))
     comm = meter.grad.bytes + (averaging.traffic.bytes if averaging is not None else 0)
-    # The median is a typical local step; the mean also carries the averaging rounds' share.
-    seconds = meter.iter_seconds
-    iter_ms = statistics.median(seconds) * 1000 if seconds else math.nan
-    iter_ms_mean = statistics.fmean(seconds) * 1000 if seconds else math.nan
-    final = (
-        f"final: steps={args.steps} modes_captured={quality.modes_captured}/{N_MODES}"
-        f" high_quality={quality.high_quality:.3f} wall_s={wall:.1f}"
-        f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
-        f" comm_bytes={comm} comm_bytes_per_iter={comm / args.steps:.1f}"
-        f" rounds={averaging.rounds if averaging is not None else 0}"
-    )
+    result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
+    rounds = averaging.rounds if averaging is not None else 0
+    final = final_line(args.steps, result, wall_s=wall, iter_seconds=meter.iter_seconds, comm_bytes=comm, rounds=rounds)
     return final, children
 
 

@@ -67,6 +67,7 @@ from common import (
     check_arguments,
     comm_line,
     fail,
+    final_line,
     layout,
     main,
     mode_name,
@@ -94,7 +95,11 @@ SAMPLE_TEMPERATURE = 0.7
 def parse_args() -> argparse.Namespace:
     p = Parser("lm_fabric.py", "Train a small byte-level language model with DDP or local SGD / DiLoCo (the Averager).")
     p.add_argument(
-        "--data", type=Path, nargs="+", metavar="PATH", help="text files or folders (None: Python's standard library)"
+        "--data",
+        type=Path,
+        nargs="+",
+        metavar="PATH",
+        help="text files or folders (default: the .py files of this Python's standard library)",
     )
     p.add_argument("--steps", type=int, default=2000, help="total iterations, counting those before --resume")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per process and step")
@@ -483,16 +488,12 @@ def train(args: argparse.Namespace) -> int | None:
     print(f"sample (temperature {SAMPLE_TEMPERATURE}, prompt {PROMPT.decode()!r}):")
     print("\n".join(f"  | {line}" for line in sample.split("\n")))  # "| ": no generated line looks like "final:"
     comm = sent()
-    # The median is a typical local step; the mean also carries the averaging rounds' share.
-    iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
-    iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {plot.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
+    quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"
+    rounds = averager.rounds if averager is not None else 0
     print(
-        f"final: steps={args.steps} val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f} wall_s={wall:.1f}"
-        f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
-        f" comm_bytes={comm} comm_bytes_per_iter={comm / args.steps:.1f}"
-        f" rounds={averager.rounds if averager is not None else 0}",
+        final_line(args.steps, quality, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm, rounds=rounds),
         flush=True,
     )
     return None

@@ -380,3 +380,16 @@ def test_a_default_length_run_captures_every_mode_with_high_quality(tmp_path: Pa
     final = train(tmp_path, "--period", "8", "--checkpoint-every", "0").final
     assert final["steps"] == 3000
     assert final["modes"] == 8 and final["hq"] >= 0.85, final
+
+
+@pytest.mark.parametrize("script", [SCRIPT, "examples/lm_fabric.py"])
+def test_help_states_every_default_in_plain_text(script: str) -> None:
+    text = run([sys.executable, script, "--help"]).stdout
+    options = text.split("options:", 1)[1]
+    blocks = re.split(r"\n(?=  -)", options)  # one block per option, its help text included
+    for block in filter(str.strip, blocks):
+        name = block.split()[0]
+        if name in ("-h,", "--resume", "--help"):  # nothing to default to
+            continue
+        assert "(default" in block, block
+    assert "``" not in text and ":class:" not in text

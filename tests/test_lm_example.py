@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from subprocess import PIPE
 from types import ModuleType
@@ -328,3 +329,11 @@ def test_parse_args_defaults(lm: ModuleType, monkeypatch: pytest.MonkeyPatch) ->
     assert isinstance(args, argparse.Namespace) and args.out == Path("runs/lm/sync-seed0")
     model = lm.ByteLM(args.d_model, args.layers, args.heads, args.context, args.positions, args.tie_weights)
     assert 100_000 <= sum(p.numel() for p in model.parameters()) <= 300_000  # sized for 2 CPU cores
+
+
+def test_progress_rate_counts_from_the_step_a_run_resumed_at(lm: ModuleType, monkeypatch, capsys) -> None:
+    clock = iter([100.0, 102.0])  # two seconds between the start (a resume at step 50) and step 60
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    progress = lm.Progress(total=100, start=50, every=10, enabled=True)
+    progress(60, lambda: {"loss": 1.0})
+    assert capsys.readouterr().out.strip() == "step 60/100 loss=1.000 5 it/s"
