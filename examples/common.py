@@ -284,11 +284,13 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
 
 
-def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], config: Mapping[str, Any]) -> None:
+def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> None:
     """Load ``--resume`` into ``state`` (every rank reads it); any problem is one line and exit code 2.
 
-    ``state["config"]`` must hold what :func:`run_config` returned for the run that wrote it.
+    ``state["config"]`` holds what :func:`run_config` returned for this run; the checkpoint's must
+    match it, and the checkpoint must not be beyond ``--steps``.
     """
+    config = state["config"]  # the load replaces it with the checkpoint's
 
     def same_settings(checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("config")
@@ -306,6 +308,8 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], conf
         load_checkpoint(fabric, args.resume, state, validate=same_settings)
     except CheckpointError as error:
         fail(fabric, f"--resume {error}")
+    if state["step"] > args.steps:
+        fail(fabric, f"{args.resume} is at step {state['step']}, beyond --steps {args.steps}")
 
 
 def fail(fabric: Fabric, message: str) -> NoReturn:

@@ -48,7 +48,6 @@ from common import (
     averager_options,
     check_arguments,
     comm_line,
-    fail,
     final_line,
     layout,
     main,
@@ -210,10 +209,8 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None:
         state["averager"] = averager
     if args.resume is not None:
-        resume(fabric, args, state, config)  # into the objects above; plain values come back in `state`
+        resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-        if state["step"] > args.steps:
-            fail(fabric, f"{args.resume} is at step {state['step']}, beyond --steps {args.steps}")
     checkpointer = Checkpointer(fabric, args.out)
     stop = StopSignal()
 

@@ -410,10 +410,8 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None:
         state["averager"] = averager
     if args.resume is not None:
-        resume(fabric, args, state, config)  # into the objects above; plain values come back in `state`
+        resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-        if state["step"] > args.steps:
-            fail(fabric, f"{args.resume} is at step {state['step']}, beyond --steps {args.steps}")
     checkpointer = Checkpointer(fabric, args.out)
     stop = StopSignal()
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).

@@ -622,26 +622,28 @@ def _check_arguments(
     check_finite: Any,
     comm_dtype: Any,
     outer_optimizer: Any,
+    caller: str = "Averager",
 ) -> None:
-    _check_int("period", period, minimum=1)
-    _check_int("warmup_steps", warmup_steps, minimum=0)
-    _check_int("overlap_steps", overlap_steps, minimum=0)
+    """The schedule's and the round's options, checked before anything is built (the Trainer callback too)."""
+    _check_int("period", period, minimum=1, caller=caller)
+    _check_int("warmup_steps", warmup_steps, minimum=0, caller=caller)
+    _check_int("overlap_steps", overlap_steps, minimum=0, caller=caller)
     for name, flag in [("average_buffers", average_buffers), ("check_finite", check_finite)]:
         if not isinstance(flag, bool):
-            raise TypeError(f"Averager: `{name}` must be True or False, got {flag!r}.")
+            raise TypeError(f"{caller}: `{name}` must be True or False, got {flag!r}.")
     if overlap_steps >= period:
         raise ValueError(
-            f"Averager: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
+            f"{caller}: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
             " round is merged before the next one starts."
         )
     if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
         raise TypeError(
-            "Averager: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None;"
+            f"{caller}: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16, or None;"
             f" got {comm_dtype!r}."
         )
     if isinstance(outer_optimizer, Optimizer):
         raise TypeError(
-            "Averager: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
+            f"{caller}: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
             " given, not an optimizer: e.g."
             " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
         )
@@ -721,11 +723,11 @@ def _check_replicated(module: nn.Module) -> None:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int, caller: str = "Averager") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Averager: `{name}` must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
+        raise TypeError(f"{caller}: `{name}` must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
     if value < minimum:
-        raise ValueError(f"Averager: `{name}` must be >= {minimum}, got {value}.")
+        raise ValueError(f"{caller}: `{name}` must be >= {minimum}, got {value}.")
 
 
 def _module_list(modules: Any, caller: str) -> list[nn.Module]:

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from fabric_multimodel.averaging import Averager
+from fabric_multimodel.averaging import Averager, _check_arguments
 from fabric_multimodel.collectives import Traffic, describe_disagreement
 from fabric_multimodel.models import ddp_options_problem
 from fabric_multimodel.outer import OuterOptimizerFactory
@@ -326,19 +326,19 @@ class ModelAveraging(Callback):
         comm_dtype: torch.dtype | None = None,
         overlap_steps: int = 0,
     ) -> None:
-        for name, value, minimum in [
-            ("period", period, 1),
-            ("warmup_steps", warmup_steps, 0),
-            ("overlap_steps", overlap_steps, 0),
-        ]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"ModelAveraging: `{name}` must be an int >= {minimum}, got {value!r}.")
-        for name, flag in [("average_buffers", average_buffers), ("average_optimizer_state", average_optimizer_state)]:
-            if not isinstance(flag, bool):
-                raise TypeError(f"ModelAveraging: `{name}` must be True or False, got {flag!r}.")
-        if overlap_steps >= period:
-            raise ValueError(
-                f"ModelAveraging: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period})."
+        _check_arguments(
+            period,
+            warmup_steps,
+            overlap_steps,
+            average_buffers,
+            check_finite=True,
+            comm_dtype=comm_dtype,
+            outer_optimizer=outer_optimizer,
+            caller="ModelAveraging",
+        )
+        if not isinstance(average_optimizer_state, bool):
+            raise TypeError(
+                f"ModelAveraging: `average_optimizer_state` must be True or False, got {average_optimizer_state!r}."
             )
         if overlap_steps and average_optimizer_state:
             raise ValueError(
