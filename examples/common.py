@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import signal
@@ -22,15 +23,42 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-from lightning_fabric import Fabric
-from lightning_fabric.strategies import DDPStrategy
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from fabric_multimodel import NodeGroups, ddp_of, node_groups
 from fabric_multimodel.checkpoints import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
 from fabric_multimodel.launch import shutdown
 
-UNDER_CLI = os.environ.get("LT_CLI_USED") == "1"  # started by `fabric run`, which owns devices and processes
+
+def launched_by() -> str | None:
+    """The launcher that started this process as one rank of a world (it owns devices and processes), or None
+    when the script starts its own processes (``--devices``)."""
+    if os.environ.get("LT_CLI_USED") == "1":  # `fabric run`, which runs torchrun itself: checked first
+        return "fabric run"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM"  # srun, as Lightning's SLURMEnvironment detects it
+    return None
+
+
+LAUNCHER = launched_by()
+#: The launcher's own flags for what the scripts' --devices, --num-nodes and --accelerator say.
+LAUNCHER_FLAGS = {
+    "fabric run": ("--devices", "--num-nodes", "--accelerator"),
+    "torchrun": ("--nproc-per-node", "--nnodes", None),
+    "SLURM": ("--ntasks-per-node", "--nodes", None),
+}
+
+
+def record_error(message: str) -> None:
+    """Tell torch elastic (under `fabric run` and torchrun) the one-line reason, so that the failure report it
+    prints last shows it as the root cause's ``traceback`` instead of a pointer to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": str(int(time.time()))}))
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -47,6 +75,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(prog=prog, description=description, formatter_class=_DefaultsHelp)
 
     def error(self, message: str) -> NoReturn:
+        record_error(f"{self.prog}: error: {message}")
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -126,10 +155,13 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume {args.resume}: no such file")
-    if UNDER_CLI and (args.devices is not None or args.accelerator != "auto" or args.num_nodes != 1):
-        p.error(
-            "under `fabric run`, give --devices, --num-nodes and --accelerator to `fabric run` (before the script path)"
-        )
+    if LAUNCHER is not None:
+        devices, nodes, accelerator = LAUNCHER_FLAGS[LAUNCHER]
+        given = [("--devices", devices, args.devices is not None), ("--num-nodes", nodes, args.num_nodes != 1)]
+        given.append(("--accelerator", accelerator, accelerator is not None and args.accelerator != "auto"))
+        for flag, theirs, set_here in given:
+            if set_here:
+                p.error(f"{flag}: {LAUNCHER} started the processes; give {theirs} to {LAUNCHER} instead")
     if args.log_every is None:
         args.log_every = max(1, args.steps // 10)
     if args.checkpoint_every is None:
@@ -149,29 +181,57 @@ def mode_name(args: argparse.Namespace) -> str:
     return "-".join(parts)
 
 
-def run_folder(args: argparse.Namespace, example: str, *settings: str) -> Path:
-    """``--out``, else the folder of ``--resume``, else ``runs/<example>/<settings>-seed<seed>``."""
+def run_folder(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    example: str,
+    *settings: str,
+    checkpoint: str = "checkpoint.pt",
+) -> Path:
+    """``--out``, else the folder of ``--resume``, else ``runs/<example>/<settings>-seed<seed>``.
+
+    A folder that holds an earlier run's checkpoint is never written over by a new run: that is an error
+    naming ``--resume`` (every rank reaches it before any collective)."""
+    resuming = getattr(args, "resume", None)
     if args.out is not None:
-        return args.out
-    if args.resume is not None:
-        return args.resume.parent
-    return Path("runs") / example / "-".join([*settings, f"seed{args.seed}"])
+        folder = args.out
+    elif resuming is not None:
+        folder = resuming.parent
+    else:
+        folder = Path("runs") / example / "-".join([*settings, f"seed{args.seed}"])
+    earlier = folder / checkpoint
+    if resuming is None and earlier.is_file():
+        how = f"continue it with --resume {earlier} (and a larger --steps), or " if hasattr(args, "resume") else ""
+        p.error(f"{folder} holds an earlier run's {checkpoint}; {how}start anew with --out NEW_FOLDER")
+    return folder
+
+
+def world_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """(processes per node, nodes): the launcher's (torchrun, SLURM), else ``--devices`` and ``--num-nodes``."""
+    if LAUNCHER in ("torchrun", "fabric run"):  # `fabric run` runs torchrun
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        return per_node, int(os.environ["WORLD_SIZE"]) // per_node
+    if LAUNCHER == "SLURM":
+        nodes = int(os.environ["SLURM_NNODES"])
+        return int(os.environ["SLURM_NTASKS"]) // nodes, nodes
+    return args.devices or 1, getattr(args, "num_nodes", 1)
 
 
 def start_fabric(args: argparse.Namespace, **kwargs: Any) -> Fabric:
-    """A launched Fabric: from `fabric run`'s settings, or starting ``--devices`` processes itself.
+    """A launched Fabric in the world this process was started into: by `fabric run`, torchrun or SLURM, or
+    (plain ``python``) the ``--devices`` processes it starts itself.
 
     With several processes, a collective that waits longer than ``--timeout`` for a peer (a stalled
     or dead rank) fails instead of hanging for the default 30 minutes.
     """
-    world = int(os.environ["WORLD_SIZE"]) if UNDER_CLI else (args.devices or 1) * args.num_nodes
-    strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if world > 1 else "auto"
-    if UNDER_CLI:
-        return Fabric(strategy=strategy, **kwargs)  # `fabric run` started the processes and the group
-    fabric = Fabric(
-        accelerator=args.accelerator, devices=args.devices or 1, num_nodes=args.num_nodes, strategy=strategy, **kwargs
-    )
-    fabric.launch()
+    if LAUNCHER == "fabric run":
+        world = int(os.environ["WORLD_SIZE"])
+        strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if world > 1 else "auto"
+        return Fabric(strategy=strategy, **kwargs)  # `fabric run` started the processes and passes its settings
+    devices, nodes = world_shape(args)
+    strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if devices * nodes > 1 else "auto"
+    fabric = Fabric(accelerator=args.accelerator, devices=devices, num_nodes=nodes, strategy=strategy, **kwargs)
+    fabric.launch()  # starts the processes only when no launcher did
     return fabric
 
 
@@ -305,17 +365,28 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> N
             )
 
     try:
-        load_checkpoint(fabric, args.resume, state, validate=same_settings)
+        extra = load_checkpoint(fabric, args.resume, state, validate=same_settings)
     except CheckpointError as error:
         fail(fabric, f"--resume {error}")
     if state["step"] > args.steps:
         fail(fabric, f"{args.resume} is at step {state['step']}, beyond --steps {args.steps}")
+    if state["step"] == args.steps:
+        fabric.print(f"{args.resume} is at step {args.steps} already: nothing to train; pass a larger --steps")
+        raise SystemExit(0)
+    written_by = extra.get("world_size")
+    if written_by is not None and written_by != fabric.world_size:
+        fabric.print(
+            f"{args.resume} was written by {written_by} processes and resumes into {fabric.world_size}: every"
+            " process starts from the checkpoint's replica and optimizer state (rank 0's, averaged before saving)"
+        )
 
 
 def fail(fabric: Fabric, message: str) -> NoReturn:
     """Exit with code 2 and one line on rank 0 (every rank reached the same verdict on its own)."""
+    line = f"{Path(sys.argv[0]).name}: error: {message}"
+    record_error(line)
     if fabric.is_global_zero:
-        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 

@@ -6,7 +6,7 @@ Run it any of these ways::
     fabric run --accelerator cpu --devices 4 examples/gan_fabric.py --period 8   # local SGD, average every 8 steps
     python examples/gan_fabric.py --devices 4 --accelerator cpu                  # the script starts the processes
     python examples/gan_fabric.py                                                # one process
-    python examples/gan_fabric.py --resume runs/gan/checkpoint.pt --steps 4000   # continue a run to 4000 steps
+    python examples/gan_fabric.py --resume runs/gan/ring-sync-seed0/checkpoint.pt --steps 4000  # continue to 4000 steps
     python examples/gan_fabric.py --dataset digits                               # 8x8 digits (scikit-learn)
 
 Generator and discriminator each get their own ``DistributedDataParallel`` (``setup_models``). The
@@ -57,8 +57,8 @@ from common import (
     run_folder,
     start_fabric,
 )
-from lightning_fabric import Fabric
-from lightning_fabric.loggers import CSVLogger
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -97,7 +97,7 @@ def parse_args() -> argparse.Namespace:
     check_arguments(p, args)
     if args.dataset == "digits" and importlib.util.find_spec("sklearn") is None:
         p.error("--dataset digits needs scikit-learn: pip install 'fabric-multimodel[digits]'")
-    args.out = run_folder(args, "gan", args.dataset, mode_name(args))
+    args.out = run_folder(p, args, "gan", args.dataset, mode_name(args))
     return args
 
 
@@ -217,7 +217,7 @@ def train(args: argparse.Namespace) -> int | None:
     def save(step: int, sync: bool = True) -> Path:
         if averager is not None and sync:
             averager.sync()  # every replica (and its Adam moments) equal to what rank 0 writes
-        state.update(step=step, grad_bytes=grad_bytes.bytes)
+        state.update(step=step, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size)
         return checkpointer.save(state)
 
     # Different data on every rank (and after a resume); the same weights everywhere (seeded in build).

@@ -29,18 +29,20 @@ rounds, sending 48% of the bytes.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import pytorch_lightning as pl
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from common import GradientBytes, final_line
-from pytorch_lightning.loggers import CSVLogger
+from common import LAUNCHER, LAUNCHER_FLAGS, GradientBytes, Parser, final_line, run_folder, world_shape
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_multimodel import frozen
@@ -51,35 +53,46 @@ from fabric_multimodel.ring import N_MODES, ring_gan, ring_quality, sample_ring
 EVAL_SAMPLES = 2500
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line and no usage block: with several processes the messages interleave.
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(prog="gan_trainer.py", description=__doc__.split("\n")[0])
+    p = Parser("gan_trainer.py", __doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3000, help="training batches (iterations)")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--lr", type=float, default=4e-3, help="Adam's learning rate, decayed linearly to 1%% of it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every rank) and data")
     p.add_argument("--period", type=int, default=0, help="0: synchronous DDP; N: average every N batches")
     p.add_argument("--warmup-steps", type=int, default=500, help="synchronous batches before local SGD")
     p.add_argument("--log-every", type=int, default=0, help="0: every 10%% of --steps")
-    p.add_argument("--out", type=Path, default=Path("runs/gan_trainer"))
-    p.add_argument("--devices", type=int, default=1, help="processes to start")
-    p.add_argument("--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto")
+    p.add_argument("--out", type=Path, help="run folder (default: runs/gan_trainer/<settings>-seed<seed>)")
+    p.add_argument("--devices", type=int, help="processes to start (default 1; under torchrun, its --nproc-per-node)")
+    p.add_argument(
+        "--accelerator", choices=["auto", "cpu", "cuda", "gpu", "mps"], default="auto", help="where to train"
+    )
     args = p.parse_args(argv)
     # Every rank runs this identically, before any collective, so a bad flag stops all of them.
     for flag, minimum in [("steps", 1), ("batch_size", 1), ("period", 0), ("warmup_steps", 0), ("log_every", 0)]:
         if getattr(args, flag) < minimum:
             p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {getattr(args, flag)}")
-    if args.devices < 1:
+    if args.devices is not None and args.devices < 1:
         p.error(f"--devices must be >= 1, got {args.devices}")
+    if LAUNCHER is not None and args.devices is not None:
+        p.error(
+            f"--devices: {LAUNCHER} started the processes; give {LAUNCHER_FLAGS[LAUNCHER][0]} to {LAUNCHER} instead"
+        )
     if not (math.isfinite(args.lr) and args.lr > 0):
         p.error(f"--lr must be a positive number, got {args.lr}")
     args.log_every = args.log_every or max(1, args.steps // 10)
+    mode = f"period{args.period}-warmup{args.warmup_steps}" if args.period else "sync"
+    args.out = run_folder(p, args, "gan_trainer", mode, checkpoint="checkpoint.ckpt")
     return args
+
+
+def quiet_lightning() -> None:
+    """Keep the screen to progress and results: Lightning's start-up notes (GPU/TPU availability, tips, the
+    process group banner) and deprecation notices from inside Lightning are not the user's concern here."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r".*`weights_only` was not set")
 
 
 class RingBatches(IterableDataset):
@@ -184,12 +197,15 @@ class Meter(pl.Callback):
 def train(args: argparse.Namespace) -> tuple[str | None, list[Any]]:
     """Fit; rank 0 gets its final line (other ranks None), and the launcher's child processes."""
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
+    quiet_lightning()
     pl.seed_everything(args.seed, verbose=False)  # the same initial weights on every rank
     meter = Meter(args)
     averaging = ModelAveraging(args.period, args.warmup_steps, average_optimizer_state=True) if args.period else None
+    devices, nodes = world_shape(args)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
-        devices=args.devices,
+        devices=devices,
+        num_nodes=nodes,
         strategy=MultiModelDDPStrategy(),  # also for one process, where ModelAveraging's rounds send nothing
         max_epochs=1,
         limit_train_batches=args.steps,
@@ -213,7 +229,7 @@ def train(args: argparse.Namespace) -> tuple[str | None, list[Any]]:
     result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
     rounds = averaging.rounds if averaging is not None else 0
     final = final_line(args.steps, result, wall_s=wall, iter_seconds=meter.iter_seconds, comm_bytes=comm, rounds=rounds)
-    return final, children
+    return f"run folder: {args.out} (checkpoint.ckpt, logs/)\n{final}", children
 
 
 def main() -> None:

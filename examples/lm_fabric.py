@@ -76,8 +76,8 @@ from common import (
     run_folder,
     start_fabric,
 )
-from lightning_fabric import Fabric
-from lightning_fabric.loggers import CSVLogger
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
 from fabric_multimodel import Averager, setup_models
@@ -132,7 +132,7 @@ def parse_args() -> argparse.Namespace:
     for path in args.data or ():
         if not path.exists():
             p.error(f"--data {path}: no such file or folder")
-    args.out = run_folder(args, "lm", mode_name(args))
+    args.out = run_folder(p, args, "lm", mode_name(args))
     return args
 
 
@@ -425,7 +425,9 @@ def train(args: argparse.Namespace) -> int | None:
     def save(step: int, sync: bool = True) -> Path:
         if averager is not None and sync:
             averager.sync()  # every replica (and its AdamW moments) equal to what rank 0 writes
-        state.update(step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes)
+        state.update(
+            step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size
+        )
         return checkpointer.save(state)
 
     fabric.print(

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
-from lightning_fabric import Fabric
-from lightning_fabric.wrappers import _FabricModule
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -25,10 +23,14 @@ from fabric_multimodel.collectives import (
     group_size,
     tensors_fingerprint,
 )
+from fabric_multimodel.families import is_instance
 from fabric_multimodel.flat import FlatStorage
 from fabric_multimodel.models import Models, ddp_of
 from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
 from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
+
+if TYPE_CHECKING:
+    from lightning_fabric import Fabric
 
 Modules = nn.Module | Iterable[nn.Module]
 
@@ -275,7 +277,7 @@ class Averager:
         check_member(node_group, "Averager")
         if group_size(process_group) > 1:
             for module in module_list:
-                if not (isinstance(module, _FabricModule) or ddp_of(module) is not None):
+                if not (is_instance(module, "wrappers._FabricModule") or ddp_of(module) is not None):
                     raise TypeError(
                         f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
                         " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
@@ -713,7 +715,7 @@ def _check_replicated(module: nn.Module) -> None:
     """Averaging needs a whole replica per rank: refuse sharded models (FSDP, DeepSpeed, tensor parallel)."""
     from torch.distributed.tensor import DTensor
 
-    forward = module._forward_module if isinstance(module, _FabricModule) else module
+    forward = module._forward_module if is_instance(module, "wrappers._FabricModule") else module
     forward = getattr(forward, "_orig_mod", forward)
     wrapped = isinstance(forward, DistributedDataParallel) or forward is _plain(module)
     if not wrapped or any(isinstance(p, DTensor) for p in module.parameters()):
@@ -768,7 +770,7 @@ def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 def _plain(module: nn.Module) -> nn.Module:
     """The user's module under Fabric's and DDP's wrappers (for readable tensor names)."""
-    if isinstance(module, _FabricModule):
+    if is_instance(module, "wrappers._FabricModule"):
         module = module._original_module
     return module.module if isinstance(module, DistributedDataParallel) else module
 

@@ -15,14 +15,16 @@ import os
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning_fabric import Fabric
-from lightning_fabric.strategies import SingleDeviceStrategy
 from torch import nn
 
+from fabric_multimodel.families import is_instance
 from fabric_multimodel.models import _builds_plain_ddp
+
+if TYPE_CHECKING:
+    from lightning_fabric import Fabric
 
 #: Temporary files are named ``.<name>.tmp-<pid>`` beside their target (see :func:`remove_stale_temporaries`).
 TEMPORARY_INFIX = ".tmp-"
@@ -197,7 +199,7 @@ def _shape_mismatch(expected: Mapping[str, Any], saved: Any) -> str | None:
 
 
 def _builds_plain_modules(fabric: Fabric) -> bool:
-    return isinstance(fabric.strategy, SingleDeviceStrategy) or _builds_plain_ddp(fabric.strategy)
+    return is_instance(fabric.strategy, "strategies.SingleDeviceStrategy") or _builds_plain_ddp(fabric.strategy)
 
 
 def _nonfinite(value: Any, prefix: str = "") -> list[str]:

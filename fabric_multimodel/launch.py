@@ -58,9 +58,11 @@ def join_local_world(rank: int, size: int, port: int, timeout_s: float = COLLECT
         NODE_RANK="0",
     )
     import torch
-    from lightning_fabric import Fabric
-    from lightning_fabric.strategies import DDPStrategy
 
+    from fabric_multimodel.families import fabric_package
+
+    package = fabric_package()
+    Fabric, DDPStrategy = package.Fabric, package.strategies.DDPStrategy
     torch.set_num_threads(1)
     fabric = Fabric(
         accelerator="cpu",

@@ -6,16 +6,17 @@ import inspect
 from collections import namedtuple
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from lightning_fabric import Fabric
-from lightning_fabric.strategies import DDPStrategy, ParallelStrategy
-from lightning_fabric.wrappers import _FabricModule
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fabric_multimodel.collectives import describe_disagreement, fingerprint
+from fabric_multimodel.families import family_class, is_instance
+
+if TYPE_CHECKING:
+    from lightning_fabric import Fabric
 
 # Fabric passes these itself; a user value would clash with (or silently undo) Fabric's choice.
 _RESERVED_DDP_KWARGS = ("module", "device_ids")
@@ -66,7 +67,7 @@ def setup_models(
     a multi-node run passes the node's group (see :func:`node_groups`).
 
     Args:
-        fabric: a launched :class:`~lightning_fabric.Fabric`.
+        fabric: a launched Fabric (``lightning.fabric.Fabric`` or ``lightning_fabric.Fabric``).
         ddp_kwargs: per-model ``DistributedDataParallel`` options, keyed by model name.
         process_group: the group of every model's DDP (DDP strategies only).
         **models: the models to set up, by name; the order is kept.
@@ -115,22 +116,25 @@ def ddp_of(module: nn.Module) -> DistributedDataParallel | None:
         if ddp is not None:
             print(ddp.broadcast_buffers)
     """
-    if isinstance(module, _FabricModule):
+    if is_instance(module, "wrappers._FabricModule"):
         module = module._forward_module
     module = getattr(module, "_orig_mod", module)  # torch.compile wraps DDP in an OptimizedModule
     return module if isinstance(module, DistributedDataParallel) else None
 
 
 def _validate(fabric: Fabric, ddp_kwargs: Any, models: Mapping[str, Any]) -> None:
-    if not isinstance(fabric, Fabric):
-        raise TypeError(f"setup_models: `fabric` must be a lightning_fabric.Fabric, got {type(fabric).__name__}.")
+    if not is_instance(fabric, "Fabric"):
+        raise TypeError(
+            "setup_models: `fabric` must be a Fabric (lightning.fabric.Fabric or lightning_fabric.Fabric), got"
+            f" {type(fabric).__module__}.{type(fabric).__name__}."
+        )
     if not models:
         raise ValueError("setup_models: pass at least one model by name, e.g. setup_models(fabric, gen=G, disc=D).")
     seen: dict[int, str] = {}
     for name, module in models.items():
         if name.startswith("_"):
             raise ValueError(f"setup_models: model name {name!r} must not start with '_'; rename the keyword.")
-        if isinstance(module, _FabricModule) or ddp_of(module) is not None:
+        if is_instance(module, "wrappers._FabricModule") or ddp_of(module) is not None:
             raise ValueError(
                 f"setup_models: model {name!r} is already set up; pass the original nn.Module, not what"
                 " fabric.setup_module or setup_models returned."
@@ -162,7 +166,7 @@ def _validate(fabric: Fabric, ddp_kwargs: Any, models: Mapping[str, Any]) -> Non
         if problem:
             raise ValueError(f"setup_models: `ddp_kwargs[{name!r}]` {problem}")
     strategy = fabric.strategy
-    if ddp_kwargs and isinstance(strategy, ParallelStrategy) and not _builds_plain_ddp(strategy):
+    if ddp_kwargs and is_instance(strategy, "strategies.ParallelStrategy") and not _builds_plain_ddp(strategy):
         raise ValueError(
             f"setup_models: `ddp_kwargs` only applies to DDP strategies, but this Fabric uses"
             f" {type(strategy).__name__}; configure that strategy instead and drop `ddp_kwargs`."
@@ -190,7 +194,8 @@ def ddp_options_problem(options: Mapping[str, Any]) -> str | None:
 
 def _builds_plain_ddp(strategy: Any) -> bool:
     """True for Fabric's DDP strategy and subclasses that keep its module wrapping (not DeepSpeed's)."""
-    return isinstance(strategy, DDPStrategy) and type(strategy).setup_module is DDPStrategy.setup_module
+    ddp = family_class(strategy, "strategies.DDPStrategy")
+    return ddp is not None and type(strategy).setup_module is ddp.setup_module
 
 
 def _check_agreement(
@@ -221,7 +226,7 @@ def _check_agreement(
 
 
 @contextmanager
-def _ddp_options(strategy: DDPStrategy, overrides: Mapping[str, Any]) -> Iterator[None]:
+def _ddp_options(strategy: Any, overrides: Mapping[str, Any]) -> Iterator[None]:
     # Fabric's DDPStrategy builds every DDP from one `_ddp_kwargs` dict; swapping it per model keeps
     # all of Fabric's own setup (precision, device placement, compile, the _FabricModule wrapper).
     saved = strategy._ddp_kwargs
@@ -233,7 +238,7 @@ def _ddp_options(strategy: DDPStrategy, overrides: Mapping[str, Any]) -> Iterato
 
 
 @contextmanager
-def _without_ddp(strategy: DDPStrategy) -> Iterator[None]:
+def _without_ddp(strategy: Any) -> Iterator[None]:
     # Fabric's setup_module still converts precision, moves the model and wraps it; only the
     # strategy's DDP wrapping is skipped (an instance attribute shadows the method for this call).
     strategy.setup_module = lambda module: module  # type: ignore[method-assign]

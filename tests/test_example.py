@@ -138,7 +138,8 @@ def test_fabric_run_synchronous(sync_run: Run) -> None:
 
 def test_fabric_run_writes_checkpoint_metrics_and_picture(sync_run: Run) -> None:
     checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
-    assert set(checkpoint) == {"gen", "disc", "opt_g", "opt_d", "step", "grad_bytes", "config"}
+    assert set(checkpoint) == {"gen", "disc", "opt_g", "opt_d", "step", "grad_bytes", "config", "world_size"}
+    assert checkpoint["world_size"] == 4
     assert checkpoint["config"]["period"] == 0 and checkpoint["config"]["dataset"] == "ring"
     assert checkpoint["step"] == 30
     assert checkpoint["grad_bytes"] == sync_run.final["comm"]
@@ -252,6 +253,52 @@ def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
     proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--devices", "2"], env={"LT_CLI_USED": "1"})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "fabric run" in proc.stderr
+
+
+def fabric_run(*args: str) -> subprocess.CompletedProcess:
+    return run([str(FABRIC), "run", "--accelerator", "cpu", "--main-port", str(free_port()), *args])
+
+
+def test_fabric_run_takes_its_flags_anywhere_and_a_failure_ends_on_the_one_line(tmp_path: Path) -> None:
+    # What the README says: `fabric run` reads --devices wherever it stands, also after the script path...
+    proc = fabric_run("--devices", "1", SCRIPT, "--devices", "2", "--steps", "3", "--out", str(tmp_path / "a"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "comm: ddp_bytes=0 " not in proc.stdout  # two processes, communicating
+    # ... and after `--` the flag reaches the script, which refuses it: the last line of the screen says why.
+    proc = fabric_run("--devices", "1", SCRIPT, "--", "--devices", "2", "--out", str(tmp_path / "b"))
+    assert proc.returncode != 0
+    last = [line for line in proc.stderr.strip().splitlines() if line.strip("= ")][-1]
+    assert last.strip() == (
+        "traceback : gan_fabric.py: error: --devices: fabric run started the processes; give --devices to fabric"
+        " run instead"
+    ), proc.stderr[-2000:]
+
+
+def test_torchrun_processes_form_one_world(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    proc = run([*cmd, SCRIPT, "--steps", "10", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("final:") for line in lines) == 1, proc.stdout  # one world, rank 0 reports
+    params = model_bytes(torch.load(tmp_path / "checkpoint.pt", weights_only=True))
+    assert float(FINAL.match(lines[-1])["comm"]) == 10 * params  # each step's gradients crossed the world
+    # A second run into the same folder is refused: it would write over the first run's checkpoint.
+    again = run([*cmd, SCRIPT, "--steps", "10", "--out", str(tmp_path)])
+    assert again.returncode != 0
+    assert f"{tmp_path} holds an earlier run's checkpoint.pt; continue it with --resume" in again.stderr
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 10
+
+
+def test_resuming_says_when_nothing_is_left_and_when_the_world_changed(sync_run: Run, tmp_path: Path) -> None:
+    checkpoint = str(sync_run.out / "checkpoint.pt")
+    done = run([sys.executable, SCRIPT, "--steps", "30", "--log-every", "10", "--resume", checkpoint])
+    assert done.returncode == 0 and "is at step 30 already: nothing to train" in done.stdout, done.stderr
+    assert "final:" not in done.stdout
+    more = run(
+        [sys.executable, SCRIPT, "--steps", "33", "--log-every", "10", "--resume", checkpoint, "--out", str(tmp_path)]
+    )
+    assert more.returncode == 0, more.stderr
+    assert "was written by 4 processes and resumes into 1" in more.stdout
 
 
 def resume_refused(checkpoint: Path, steps: int, out: Path, *flags: str) -> str:

@@ -62,9 +62,13 @@ class Launched(NamedTuple):
     proc: subprocess.Popen
 
 
-def launch(out: Path, *flags: str) -> Launched:
-    """Start a 2-process `fabric run` of the example with ``flags``, writing to ``out``."""
-    cmd = [str(FABRIC), "run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port()), SCRIPT]
+def launch(out: Path, *flags: str, launcher: str = "fabric") -> Launched:
+    """Start 2 processes of the example with ``flags``, writing to ``out``, by `fabric run` or torchrun."""
+    if launcher == "fabric":
+        cmd = [str(FABRIC), "run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port()), SCRIPT]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+        cmd += [str(free_port()), SCRIPT, "--accelerator", "cpu"]
     cmd += ["--out", str(out), *QUICK, *flags]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LT_")}  # as if typed in a fresh shell
     return Launched(out, subprocess.Popen(cmd, cwd=ROOT, env=clean, stdout=PIPE, stderr=PIPE, text=True))
@@ -116,7 +120,8 @@ def expected_rounds(start: int, end: int, warmup: int, period: int) -> int:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     """A synchronous run, and meanwhile a local-SGD run and its resume: the runs mostly import and
     start up, so on a busy machine two at a time take little longer than one."""
-    sync = launch(tmp_path_factory.mktemp("sync"), "--steps", "9", "--log-every", "3")
+    # torchrun, PyTorch's own launcher: its processes form one world (the bytes per step below say so).
+    sync = launch(tmp_path_factory.mktemp("sync"), "--steps", "9", "--log-every", "3", launcher="torchrun")
     try:
         local = finish(launch(tmp_path_factory.mktemp("local"), "--steps", "12", "--log-every", "4", *LOCAL))
         resume = ["--steps", "20", "--log-every", "4", *LOCAL, "--resume", str(local.out / "checkpoint.pt")]
@@ -155,7 +160,16 @@ def test_synchronous_run_sends_the_parameter_bytes_every_step(sync_run: Run) -> 
 
 def test_run_writes_checkpoint_metrics_plot_and_a_sample(sync_run: Run, lm: ModuleType) -> None:
     saved = checkpoint(sync_run)
-    assert set(saved) == {"model", "optimizer", "step", "data_position", "grad_bytes", "history", "config"}
+    assert set(saved) == {
+        "model",
+        "optimizer",
+        "step",
+        "data_position",
+        "grad_bytes",
+        "history",
+        "config",
+        "world_size",
+    }
     assert saved["step"] == 9 and saved["data_position"] == 9 * BATCH
     assert saved["grad_bytes"] == sync_run.final["comm_bytes"]
     assert saved["config"]["period"] == 0 and saved["config"]["data"] == "python-stdlib"
