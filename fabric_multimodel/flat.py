@@ -1,7 +1,8 @@
 """Flat storage: many tensors living as views of one contiguous buffer per device and dtype.
 
 An averaging round over flat storage is one in-place allreduce per buffer: no gather into a
-temporary copy of the model, no scatter back, no per-tensor calls.
+temporary copy of the model, no scatter back, no per-tensor calls. A :class:`Part` is a run of
+consecutive tensors (a fragment of the model): one contiguous range of each buffer.
 """
 
 from __future__ import annotations
@@ -87,6 +88,15 @@ class FlatStorage:
             if not bool(torch.isfinite(buffers[b][offset : offset + numel]).all())
         ]
 
+    def part(self, indices: Sequence[int]) -> Part:
+        """The consecutive tensors ``indices`` (positions in ``tensors``) as one range of each buffer.
+
+        Example::
+
+            first_half = storage.part(range(len(storage.tensors) // 2))
+        """
+        return Part(self, indices)
+
     def intact(self) -> bool:
         """True while every tensor still lives in its slot of the flat buffers.
 
@@ -95,3 +105,45 @@ class FlatStorage:
             assert storage.intact(), "a parameter was given new storage (model.to()?)"
         """
         return list(map(torch.Tensor.data_ptr, self.tensors)) == self._addresses
+
+
+class Part:
+    """Consecutive tensors of a :class:`FlatStorage`: per buffer, the range ``[start, end)`` they fill.
+
+    Buffers of the same shape as :attr:`FlatStorage.data` (an anchor, a snapshot) are cut the same
+    way by :meth:`of`. The whole storage is a part too (``storage.part(range(len(storage.tensors)))``).
+
+    Example::
+
+        part = storage.part([2, 3])
+        for flat, anchor in zip(part.data, part.of(anchor_buffers)):
+            anchor.copy_(flat)
+    """
+
+    def __init__(self, storage: FlatStorage, indices: Sequence[int]) -> None:
+        self.storage = storage
+        self.indices = list(indices)
+        bounds: dict[int, list[int]] = {}
+        for i in self.indices:
+            b, offset, numel = storage.slots[i]
+            low, high = bounds.setdefault(b, [offset, offset])
+            if offset != high:
+                raise ValueError("a part must be consecutive tensors of each flat buffer")
+            bounds[b][1] = offset + numel
+        #: Per buffer, the range of elements this part covers (empty ranges where it has none).
+        self.ranges = [tuple(bounds.get(b, (0, 0))) for b in range(len(storage.buffers))]
+        self.whole = sorted(self.indices) == list(range(len(storage.tensors)))
+
+    @property
+    def sizes(self) -> list[int]:
+        """Per buffer, the number of elements of this part."""
+        return [end - start for start, end in self.ranges]
+
+    @property
+    def data(self) -> list[torch.Tensor]:
+        """Per buffer, the range holding this part's tensors."""
+        return self.of(self.storage.buffers)
+
+    def of(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This part's ranges of ``buffers`` (shaped like the storage's :attr:`~FlatStorage.data`)."""
+        return [buffer[start:end] for buffer, (start, end) in zip(buffers, self.ranges)]
