@@ -3,7 +3,8 @@ check (`replicas_in_sync`). What a round does lives in `rounds.py` (plain averag
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -25,9 +26,11 @@ from fabric_multimodel.collectives import (
 )
 from fabric_multimodel.families import is_instance
 from fabric_multimodel.flat import FlatStorage
+from fabric_multimodel.fragments import Fragments, fragment_indices
 from fabric_multimodel.models import Models, ddp_of
 from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
 from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
+from fabric_multimodel.schedule import Event, Schedule
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -164,15 +167,20 @@ class Averager:
     - ``comm_dtype``: what is sent, e.g. ``torch.bfloat16`` for half the bytes. The payload is then
       ``anchor - param`` (plain averaging too), applied in the parameters' own dtype;
     - ``overlap_steps=k``: a round's allreduce is launched at its step and merged ``k`` steps later,
-      keeping the local progress made meanwhile (see below).
+      keeping the local progress made meanwhile (see below);
+    - ``fragments=F``: streaming rounds (Streaming DiLoCo): the averaged parameters split into ``F``
+      fragments, and each round sends one of them (see below).
 
+    When what happens is the :class:`~fabric_multimodel.schedule.Schedule`'s business (a pure
+    object: given the ``step()`` count, the events of that step); the Averager carries them out.
     The schedule:
 
     - ``step()`` calls 1..``warmup_steps``: ordinary synchronous DDP, gradients allreduced every step.
     - After that, inside the block: local steps with **no** collective in forward or backward (no
       gradient allreduce, no DDP buffer broadcast), and a round of parameters (plus floating-point
       buffers when ``average_buffers``, plus the floating-point state of ``optimizers``) when
-      ``(steps - warmup_steps) % period == 0``.
+      ``(steps - warmup_steps) % period == 0``; with fragments, fragment ``f`` (0-based) at
+      ``steps - warmup_steps = (f + 1) * period / F + k * period``.
     - Leaving the block: a round, so every replica leaves identical. In the local phase it is issued
       even when no rank took a local step since the last round (it then changes nothing), so that
       it can check that every rank called ``step()`` equally often. Leaving by exception issues no
@@ -214,6 +222,27 @@ class Averager:
     allocated once); ``optimizers`` cannot be combined with it (their state would need a
     snapshot of its own). ``traffic``, ``rounds`` and the schedule count a round at its launch.
 
+    Fragments (``fragments=F``, ``period % F == 0``): an int splits the averaged parameters, in
+    module order, into ``F`` runs of consecutive tensors of about equal size; a list of groups
+    (each a module, a parameter, or a list of those) sets them, e.g.
+    ``[model.blocks[0::2], model.blocks[1::2]]``, and every parameter must be in one group. Each
+    round sends its fragment only (and the header), so the peak bytes of a round are ``1/F`` of the
+    model's. DiLoCo's outer optimizer steps only the fragment whose round it is, and each
+    fragment has its own anchor. Floating-point buffers ride with the last fragment (once per
+    period). With ``overlap_steps=k`` (``k < period / F``) each fragment's round merges ``k`` steps
+    after its launch, one fragment in flight at a time. ``sync()``, ``state_dict()`` and leaving
+    the block round every fragment, one after the other. ``optimizers`` cannot be combined with
+    fragments (the inner state stays local, as in DiLoCo).
+
+    Mixing (``mixing=a``, with ``overlap_steps``): an overlapped merge sets
+    ``param <- (1 - a) * global + a * param`` (Streaming DiLoCo's rule; ``global`` is the round's
+    result: the mean, or DiLoCo's new anchor) instead of ``global + (param - s)``.
+
+    Islands (DDP inside each node, rounds across nodes; see :func:`node_groups`): the replicas
+    start from the same values (one broadcast across nodes at construction), warm-up sends nothing
+    across nodes, and each fragment's first round after warm-up is a plain mean of the nodes'
+    replicas that sets its anchor; DiLoCo's outer steps start with the second.
+
     Checkpoints: ``state_dict()`` holds the counters and, for anchored rounds, the anchor and the
     outer optimizer's state, so ``fabric.save`` right after a round (or after ``sync()``) and
     ``fabric.load`` resume bitwise. A checkpoint taken in the middle of a period holds rank 0's
@@ -232,6 +261,9 @@ class Averager:
         overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch.
         check_finite: raise on every rank when a round's payload holds NaN or Inf (one extra read
             of the payload per round).
+        node_period, node_group: two-level averaging: a round inside ``node_group`` every ``node_period`` steps.
+        fragments: 1 for rounds of everything; ``F`` (or a list of parameter groups) for streaming rounds.
+        mixing: None to keep the local progress in overlapped merges; ``a`` in [0, 1] to mix.
 
     Example::
 
@@ -243,6 +275,9 @@ class Averager:
         diloco = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
         with Averager(fabric, model, period=128, outer_optimizer=diloco, comm_dtype=torch.bfloat16) as averager:
             ...
+
+        # Streaming DiLoCo: a quarter of the model every 32 steps, each merged 8 steps later
+        Averager(fabric, model, period=128, outer_optimizer=diloco, fragments=4, overlap_steps=8)
     """
 
     def __init__(
@@ -261,9 +296,11 @@ class Averager:
         check_finite: bool = True,
         node_period: int | None = None,
         node_group: ProcessGroup = None,
+        fragments: Fragments = 1,
+        mixing: float | None = None,
     ) -> None:
         _check_arguments(
-            period, warmup_steps, overlap_steps, average_buffers, check_finite, comm_dtype, outer_optimizer
+            period, warmup_steps, overlap_steps, average_buffers, check_finite, comm_dtype, outer_optimizer, mixing
         )
         module_list = _module_list(modules, "Averager")
         optimizers = _check_optimizers(optimizers, "Averager")
@@ -272,7 +309,7 @@ class Averager:
                 "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
                 " stays local, as in DiLoCo, when `optimizers` is empty)."
             )
-        _check_two_levels(period, node_period, node_group, outer_optimizer, comm_dtype, overlap_steps)
+        _check_two_levels(period, node_period, node_group, outer_optimizer, comm_dtype, overlap_steps, fragments)
         check_member(process_group, "Averager")
         check_member(node_group, "Averager")
         if group_size(process_group) > 1:
@@ -304,49 +341,64 @@ class Averager:
         self.node_rounds = 0
         self.node_traffic = Traffic()
         self._device = fabric.device
-        self._synced_at_step = 0
         self._launched_at: int | None = None
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
         self._ddps = [] if self.islands else ddps  # the DDPs this averager switches off after warm-up
 
         tensors, names, n_params = _averaged_tensors(module_list, average_buffers, _model_names(modules))
+        groups = fragment_indices(tensors[:n_params], names[:n_params], fragments)
+        _check_fragments(len(groups), period, overlap_steps, self.optimizers)
+        #: The number of fragments; a round covers one.
+        self.fragments = len(groups)
         self._has_buffers = len(tensors) > n_params
+        # Each fragment's parameters next to each other in the flat storage (buffers last, with the last
+        # fragment), so that a fragment is one range of each flat buffer.
+        placed = [i for group in groups for i in group]
+        tensors = [tensors[i] for i in placed] + tensors[n_params:]
+        names = [names[i] for i in placed] + names[n_params:]
         largest = max(group_size(process_group), group_size(node_group) if node_period else 1)
         storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest)
+        ends = list(itertools.accumulate(len(group) for group in groups))
+        ends[-1] = len(tensors)
+        parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None
         overlap = overlap_steps > 0
+        options: dict[str, Any] = {"parts": parts, "overlap": overlap, "check_finite": check_finite, "mixing": mixing}
         self._round: Round
         if outer_optimizer is not None:
+            order = sorted(range(n_params), key=placed.__getitem__)  # storage positions, in the modules' order
             self._round = OuterRound(
                 storage,
                 n_params,
                 process_group,
                 outer_optimizer=outer_optimizer,
                 comm_dtype=comm_dtype,
-                overlap=overlap,
-                check_finite=check_finite,
+                order=order,
+                **options,
             )
         elif comm_dtype is not None:
-            self._round = DeltaRound(
-                storage, n_params, process_group, comm_dtype=comm_dtype, overlap=overlap, check_finite=check_finite
-            )
+            self._round = DeltaRound(storage, n_params, process_group, comm_dtype=comm_dtype, **options)
         else:
-            self._round = MeanRound(storage, process_group, overlap=overlap, check_finite=check_finite)
+            self._round = MeanRound(storage, process_group, **options)
+        self.schedule = Schedule(
+            period, warmup_steps, fragments=self.fragments, overlap_steps=overlap_steps, node_period=node_period
+        )
+        # Per fragment, the step of its last blocking round: a round with no step since then changes nothing.
+        self._synced_at = [0] * self.fragments
+        # Islands: the fragments whose next round is their first across the nodes (a plain mean).
+        self._fresh: set[int] = set()
         self._node_round = (
             MeanRound(storage, node_group, overlap=False, check_finite=check_finite) if node_period else None
         )
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
         settings = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
-        problem = describe_disagreement(
-            repr((layout, settings, str(comm_dtype), overlap_steps, check_finite, node_period, self.islands)),
-            fabric.device,
-            process_group,
-        )
+        settings += (str(comm_dtype), overlap_steps, check_finite, node_period, self.islands, ends, mixing)
+        problem = describe_disagreement(repr((layout, settings)), fabric.device, process_group)
         if problem:
             raise ValueError(
                 "Averager: the modules' parameters (names, shapes, dtypes) or the arguments (period, warmup_steps,"
                 " average_buffers, optimizers, outer_optimizer, comm_dtype, overlap_steps, check_finite,"
-                " node_period, the layout) differ across ranks; build the same models and Averager on every rank."
-                f" {_shorten(problem)}"
+                " node_period, the layout, fragments, mixing) differ across ranks; build the same models and"
+                f" Averager on every rank. {_shorten(problem)}"
             )
         if self.islands and group_size(process_group) > 1:
             # DDP made every node's replicas identical, not the nodes': start them all from the same
@@ -378,8 +430,7 @@ class Averager:
                 # In the local phase every rank ends with a round, needed or not (then it changes
                 # nothing): it carries each rank's step() count, so a schedule that drifted apart
                 # is an error on every rank instead of one rank waiting for a round nobody else starts.
-                if self.local or self.steps > self._synced_at_step:
-                    self._round_now(blocking=True)
+                self._round_everything()
         finally:
             for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
                 ddp.require_backward_grad_sync = grad_sync
@@ -398,7 +449,7 @@ class Averager:
         return self.steps >= self.warmup_steps
 
     def step(self) -> bool:
-        """Count one iteration and average when the schedule says so; True when this call started a round.
+        """Count one iteration and do what the schedule says for it; True when this call started a round.
 
         Call it exactly once per iteration, after the optimizer steps, on every rank. With
         ``overlap_steps``, it also merges the round launched ``overlap_steps`` calls earlier.
@@ -412,28 +463,14 @@ class Averager:
         if self._ddp_settings is None:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
-        if self._launched_at is not None and self.steps - self._launched_at >= self.overlap_steps:
-            self._finish_pending()
-        if self.steps <= self.warmup_steps:
-            if self.islands:  # DDP keeps each node synchronous; warm-up keeps the nodes together too
-                self._round_now(blocking=True)
-            elif not self._has_buffers:
-                # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
-                # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
-                self._synced_at_step = self.steps
-            if self.steps == self.warmup_steps:
-                self._apply_phase()
-                if isinstance(self._round, DeltaRound):
-                    self._round.anchor_parameters()
-            return self.islands
-        local_steps = self.steps - self.warmup_steps
-        if local_steps % self.period == 0:
-            self._round_now(blocking=self.overlap_steps == 0)
-            return True
-        if self.node_period and local_steps % self.node_period == 0:
-            self._node_round_now()
-            return True
-        return False
+        started = False
+        for event in self.schedule.at(self.steps):
+            started |= self._actions[event.kind](event)
+        if self.steps <= self.warmup_steps and not self.islands and not self._has_buffers:
+            # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
+            # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
+            self._synced_at = [self.steps] * self.fragments
+        return started
 
     def sync(self) -> None:
         """Average now, on every rank (before evaluation or a checkpoint); replicas are identical after it.
@@ -446,13 +483,14 @@ class Averager:
             fabric.save("ckpt.pt", {"gen": gen, "opt_g": opt_g, "averager": averager})
         """
         self._finish_pending()
-        if self.local or self.steps > self._synced_at_step:  # in warm-up, DDP keeps parameters identical
-            self._round_now(blocking=True)
+        self._round_everything()
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's counters (plain ints) and, for anchored rounds, the anchor and outer optimizer.
 
-        A round in flight is finished first, so a checkpoint never holds half a round.
+        A round in flight is finished first, so a checkpoint never holds half a round. With fragments it also
+        holds each fragment's last round step; in the islands layout, the fragments still to have their
+        first round.
 
         Example::
 
@@ -462,10 +500,14 @@ class Averager:
         state: dict[str, Any] = {
             "steps": self.steps,
             "rounds": self.rounds,
-            "synced_at_step": self._synced_at_step,
+            "synced_at_step": min(self._synced_at),
             "elements_communicated": self.traffic.elements,
             "bytes_communicated": self.traffic.bytes,
         }
+        if self.fragments > 1:
+            state["fragments_synced_at"] = list(self._synced_at)
+        if self.islands:
+            state["fresh_fragments"] = sorted(self._fresh)
         if isinstance(self._round, DeltaRound):
             state.update(self._round.state_dict())
         return state
@@ -503,6 +545,17 @@ class Averager:
             )
         if values["bytes_communicated"] < values["elements_communicated"]:
             raise ValueError("Averager.load_state_dict: fewer bytes than elements communicated; the state is corrupt.")
+        synced_at = _whole_numbers(
+            state_dict.get("fragments_synced_at", [values["synced_at_step"]] * self.fragments),
+            self.fragments,
+            values["steps"],
+            "fragments_synced_at",
+        )
+        fresh = state_dict.get("fresh_fragments", [])
+        if not isinstance(fresh, (list, tuple)) or not set(fresh) <= set(range(self.fragments)):
+            raise ValueError(
+                f"Averager.load_state_dict: `fresh_fragments` must list fragments 0..{self.fragments - 1}."
+            )
         if isinstance(self._round, DeltaRound):
             try:
                 self._round.load_state_dict(state_dict)
@@ -510,42 +563,79 @@ class Averager:
                 raise ValueError(f"Averager.load_state_dict: {error}") from None
         self.steps = values["steps"]
         self.rounds = values["rounds"]
-        self._synced_at_step = values["synced_at_step"]
+        self._synced_at = synced_at
+        self._fresh = set(fresh)
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
         if self._ddp_settings is not None:
             self._apply_phase()
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _round_now(self, *, blocking: bool) -> None:
+    @property
+    def _actions(self) -> dict[str, Callable[[Event], bool]]:
+        """What each kind of schedule event does; True for those that start a round."""
+        return {
+            "local": self._start_local_phase,
+            "round": lambda event: self._round_now(event.fragment, blocking=True),
+            "launch": lambda event: self._round_now(event.fragment, blocking=False),
+            "merge": lambda event: self._finish_pending(),
+            "node": lambda event: self._node_round_now(),
+        }
+
+    def _start_local_phase(self, event: Event) -> bool:
+        self._apply_phase()
+        if isinstance(self._round, DeltaRound):
+            if self.islands:  # the nodes trained apart: their first rounds are plain means, and set the anchors
+                self._fresh = set(range(self.fragments))
+            else:  # synchronous DDP moved every replica alike: anchor them where they are
+                self._round.anchor_parameters()
+        return False
+
+    def _round_everything(self) -> None:
+        """A blocking round of every fragment that took a step since its last round (in the local phase, of
+        every fragment: each carries the step counts that tell whether the ranks stayed in step)."""
+        for fragment in range(self.fragments):
+            if self.local or self.steps > self._synced_at[fragment]:  # in warm-up, DDP keeps parameters identical
+                self._round_now(fragment, blocking=True)
+
+    def _round_now(self, fragment: int, *, blocking: bool) -> bool:
         if not self._round.storage.intact():
             raise RuntimeError(
                 "Averager: a parameter or buffer was given new storage after the Averager was built (for"
                 " example by `.to()` or `param.data = ...`); move models before building the Averager."
             )
         label = f"averaging round {self.rounds + 1} at step {self.steps}"
+        if self.fragments > 1:
+            label += f" (fragment {fragment + 1} of {self.fragments})"
         warming_up = self.steps < self.warmup_steps
-        if warming_up and not self.islands and isinstance(self._round, DeltaRound):
-            # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
-            # In the islands layout, warm-up's own rounds keep the anchor current.
-            self._round.anchor_parameters()
+        outer = not warming_up
+        if isinstance(self._round, DeltaRound):
+            part = self._round.parts[fragment]
+            if warming_up and not self.islands:
+                # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
+                self._round.anchor_parameters(part)
+            elif fragment in self._fresh:
+                self._round.clear_anchor(part)
+                self._fresh.discard(fragment)
+                outer = False
         stamp = Stamp(
-            self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at_step
+            self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at[fragment]
         )
-        self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up)
+        self._round.launch(stamp, label=label, blocking=blocking, outer=outer, part=fragment)
         self.traffic += self._round.traffic
         if not blocking:
             self.rounds += 1
             self._launched_at = self.steps
-            return
+            return True
         stamps = self._round.finish()
         self._check_stamps(stamps, label)
         if any(s.progress for s in stamps):
             self.rounds += 1
             self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
-        self._synced_at_step = self.steps
+        self._synced_at[fragment] = self.steps
+        return True
 
-    def _node_round_now(self) -> None:
+    def _node_round_now(self) -> bool:
         assert self._node_round is not None
         label = f"averaging round {self.rounds + 1} (inside the node) at step {self.steps}"
         stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], True)
@@ -556,13 +646,15 @@ class Averager:
         self.node_traffic += sent
         self.rounds += 1
         self.node_rounds += 1
+        return True
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self) -> bool:
         if self._launched_at is None:
-            return
+            return False
         label = f"averaging round {self.rounds} (launched at step {self._launched_at})"
         self._launched_at = None
         self._check_stamps(self._round.finish(), label)
+        return False
 
     def _discard_pending(self) -> None:
         if self._launched_at is not None:
@@ -624,6 +716,7 @@ def _check_arguments(
     check_finite: Any,
     comm_dtype: Any,
     outer_optimizer: Any,
+    mixing: Any = None,
     caller: str = "Averager",
 ) -> None:
     """The schedule's and the round's options, checked before anything is built (the Trainer callback too)."""
@@ -649,10 +742,53 @@ def _check_arguments(
             " given, not an optimizer: e.g."
             " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
         )
+    if mixing is not None:
+        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing <= 1:
+            raise ValueError(f"{caller}: `mixing` must be a number in [0, 1] or None, got {mixing!r}.")
+        if not overlap_steps:
+            raise ValueError(
+                f"{caller}: `mixing` sets how overlapped rounds merge; set `overlap_steps` too, or drop `mixing`."
+            )
+
+
+def _check_fragments(count: int, period: int, overlap_steps: int, optimizers: Sequence[Optimizer]) -> None:
+    if period % count:
+        raise ValueError(
+            f"Averager: `period` ({period}) must be a multiple of the number of fragments ({count}), so that a"
+            " fragment's round falls every period / fragments steps."
+        )
+    if overlap_steps >= period // count:
+        raise ValueError(
+            f"Averager: `overlap_steps` ({overlap_steps}) must be smaller than period / fragments"
+            f" ({period // count}), so that one fragment is in flight at a time."
+        )
+    if count > 1 and optimizers:
+        raise ValueError(
+            "Averager: `optimizers` cannot be combined with `fragments`; drop one (the inner optimizers' state"
+            " stays local, as in DiLoCo)."
+        )
+
+
+def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
+    """``values`` as ``count`` whole numbers in 0..``limit``, or a ValueError naming the state's field."""
+    if not isinstance(values, (list, tuple)) or len(values) != count:
+        raise ValueError(f"Averager.load_state_dict: `{name}` must hold {count} numbers (one per fragment).")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+            raise ValueError(
+                f"Averager.load_state_dict: `{name}` must hold whole numbers in 0..{limit}, got {value!r}."
+            )
+    return list(values)
 
 
 def _check_two_levels(
-    period: int, node_period: Any, node_group: ProcessGroup, outer_optimizer: Any, comm_dtype: Any, overlap_steps: int
+    period: int,
+    node_period: Any,
+    node_group: ProcessGroup,
+    outer_optimizer: Any,
+    comm_dtype: Any,
+    overlap_steps: int,
+    fragments: Any,
 ) -> None:
     if node_period is None:
         if node_group is not None:
@@ -668,10 +804,10 @@ def _check_two_levels(
             f"Averager: `period` ({period}) must be a multiple of `node_period` ({node_period}), and larger: a round"
             " across the world every `period` steps, inside the node every `node_period` steps in between."
         )
-    if outer_optimizer is not None or comm_dtype is not None or overlap_steps:
+    if outer_optimizer is not None or comm_dtype is not None or overlap_steps or fragments != 1:
         raise ValueError(
             "Averager: two-level averaging (`node_period`) is plain, blocking averaging; drop outer_optimizer,"
-            " comm_dtype and overlap_steps, or use the islands layout (DDP inside the node) for those."
+            " comm_dtype, overlap_steps and fragments, or use the islands layout (DDP inside the node) for those."
         )
 
 

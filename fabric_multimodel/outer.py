@@ -9,14 +9,14 @@ never touched. SGD with lr 1 and no momentum is plain averaging.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from fabric_multimodel.collectives import ProcessGroup
-from fabric_multimodel.flat import FlatStorage
+from fabric_multimodel.flat import FlatStorage, Part
 from fabric_multimodel.rounds import DeltaRound
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], Optimizer]
@@ -26,7 +26,9 @@ class OuterRound(DeltaRound):
     """A DiLoCo round: ``anchor.grad = mean(anchor - param)``, one outer-optimizer step, ``param <- anchor``.
 
     Floating-point buffers are averaged (their anchor moves by their mean), never stepped. The
-    outer optimizer's state (momentum) is the only memory added to a :class:`DeltaRound`'s.
+    outer optimizer's state (momentum) is the only memory added to a :class:`DeltaRound`'s. With
+    fragments, one outer optimizer holds every parameter and a round steps only its fragment's
+    (the others get no gradient, so PyTorch's optimizers leave them and their state alone).
     """
 
     def __init__(
@@ -39,11 +41,25 @@ class OuterRound(DeltaRound):
         comm_dtype: torch.dtype | None,
         overlap: bool,
         check_finite: bool,
+        parts: Sequence[Part] | None = None,
+        order: Sequence[int] | None = None,
+        mixing: float | None = None,
     ) -> None:
-        super().__init__(storage, n_params, group, comm_dtype=comm_dtype, overlap=overlap, check_finite=check_finite)
-        self.params = self.storage.views(self.anchor, range(n_params))
+        super().__init__(
+            storage,
+            n_params,
+            group,
+            parts=parts,
+            comm_dtype=comm_dtype,
+            overlap=overlap,
+            check_finite=check_finite,
+            mixing=mixing,
+        )
+        #: The parameters' positions in the storage, in the modules' order (the order the factory sees).
+        self.order = list(order) if order is not None else list(range(n_params))
+        self.params = self.storage.views(self.anchor, self.order)
         # The mean pseudo-gradient is computed in the parameters' own memory (scratch during a round).
-        self._grads = self.storage.views(self.storage.data, range(n_params))
+        self._grads = self.storage.views(self.storage.data, self.order)
         self.optimizer = make_outer_optimizer(outer_optimizer, self.params)
 
     def _move_anchor(self, summed: list[torch.Tensor]) -> None:
@@ -52,14 +68,15 @@ class OuterRound(DeltaRound):
             return
         for total in summed:
             total.div_(self.world)
-        for param, grad in zip(self.params, self._grads):
-            param.grad = grad
+        stepped = set(self.part.indices)
+        for index, param, grad in zip(self.order, self.params, self._grads):
+            param.grad = grad if index in stepped else None
         try:
             self.optimizer.step()
         finally:
             for param in self.params:
                 param.grad = None
-        for anchor, mean in zip(self._buffers_part(self.anchor), self._buffers_part(summed)):
+        for anchor, mean in zip(self._buffers_part(self.part.of(self.anchor)), self._buffers_part(summed)):
             anchor.sub_(mean)
 
     def state_dict(self) -> dict[str, Any]:

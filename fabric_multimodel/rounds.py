@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_size
-from fabric_multimodel.flat import FlatStorage
+from fabric_multimodel.flat import FlatStorage, Part
 
 
 class AveragingError(RuntimeError):
@@ -115,8 +115,10 @@ def _number(digits: Sequence[int]) -> int:
 class Round:
     """The machinery every kind shares: payload buffers, header, launch, wait, checks.
 
-    Subclasses decide what the payload holds (:meth:`_fill`) and what the summed payload does
-    to the replicas (:meth:`_merge`, :meth:`_rollback`).
+    A round covers one :class:`~fabric_multimodel.flat.Part` of the flat storage at a time: the
+    whole of it, or one fragment (``parts``; the send buffers are sized for the largest). Subclasses
+    decide what the payload holds (:meth:`_fill`) and what the summed payload does to the replicas
+    (:meth:`_merge`, :meth:`_rollback`).
     """
 
     def __init__(
@@ -124,26 +126,31 @@ class Round:
         storage: FlatStorage,
         group: ProcessGroup,
         *,
+        parts: Sequence[Part] | None = None,
         overlap: bool,
         check_finite: bool,
         comm_dtype: torch.dtype | None = None,
         in_place: bool,
+        mixing: float | None = None,
     ) -> None:
         self.group = group
+        #: Overlapped merges: None keeps the local progress, ``global + (param - snapshot)``; a float ``a``
+        #: mixes, ``(1 - a) * global + a * param`` (Streaming DiLoCo's rule).
+        self.mixing = mixing
         self.world = group_size(group)
         self.header = Header(group_rank(group), self.world)
         self.overlap = overlap
         self.check_finite = check_finite
-        self.in_place = in_place
         #: The averaged tensors, living in flat buffers; a round sent in place carries its header in
         #: their spare elements (shared by rounds over several groups: sized for the largest).
         self.storage = storage
-        if in_place and storage.spare.numel() < self.header.size:
+        #: What one round covers: the whole storage, or each fragment in turn.
+        self.parts = list(parts) if parts else [storage.part(range(len(storage.tensors)))]
+        self.in_place = in_place and len(self.parts) == 1
+        if self.in_place and storage.spare.numel() < self.header.size:
             raise ValueError(f"the flat storage needs {self.header.size} spare elements for a round's header.")
         self.send = self._send_buffers(comm_dtype)
-        payload = sum(self.storage.sizes) if len(self.send) < len(self.storage.sizes) else self.storage.sizes[0]
-        self._tail = self.send[0][payload:]  # what follows the payload in the first send buffer
-        self._head = self._tail[: self.header.size]
+        self.part = self.parts[0]  # the part of the round in flight, or of the last one
         self._work: list[Any] = []
         self._blocking = True
         self._outer = True
@@ -154,37 +161,55 @@ class Round:
     def _send_buffers(self, comm_dtype: torch.dtype | None) -> list[torch.Tensor]:
         if self.in_place:
             return self.storage.buffers
-        if comm_dtype is None:  # one buffer per group, in the group's own dtype
-            sizes = self.storage.sizes
+        largest = [max(part.sizes[b] for part in self.parts) for b in range(len(self.storage.buffers))]
+        if comm_dtype is None:  # one buffer per storage buffer, in its own dtype; the header rides in the first
             return [
-                torch.zeros(size + (self.header.size if i == 0 else 0), dtype=flat.dtype, device=flat.device)
-                for i, (size, flat) in enumerate(zip(sizes, self.storage.buffers))
+                torch.zeros(size + (self.header.size if b == 0 else 0), dtype=flat.dtype, device=flat.device)
+                for b, (size, flat) in enumerate(zip(largest, self.storage.buffers))
             ]
         devices = {flat.device for flat in self.storage.buffers}
         if len(devices) > 1:
             raise ValueError(
                 f"`comm_dtype` needs every averaged tensor on one device, found {sorted(map(str, devices))}."
             )
-        total = sum(self.storage.sizes) + self.header.size
+        total = max(sum(part.sizes) for part in self.parts) + self.header.size
         return [torch.zeros(total, dtype=comm_dtype, device=devices.pop())]
 
     def _regions(self) -> list[torch.Tensor]:
-        """Per storage buffer, the part of a send buffer that carries it."""
-        if len(self.send) == len(self.storage.sizes):
-            return [s[:size] for s, size in zip(self.send, self.storage.sizes)]
+        """Per storage buffer, the part of a send buffer that carries this round's part of it."""
+        sizes = self.part.sizes
+        if self.in_place:
+            return self.part.data
+        if len(self.send) == len(sizes):
+            return [s[:size] for s, size in zip(self.send, sizes)]
         regions, offset = [], 0
-        for size in self.storage.sizes:
+        for size in sizes:
             regions.append(self.send[0][offset : offset + size])
             offset += size
         return regions
 
+    def _payloads(self) -> list[torch.Tensor]:
+        """What the collectives reduce: each send buffer's used part, the header after the first one's."""
+        sizes = self.part.sizes if len(self.send) == len(self.part.sizes) else [sum(self.part.sizes)]
+        head = self.header.size
+        # A buffer holding nothing of this part is left out; the first always carries the header.
+        return [
+            s[: size + (head if b == 0 else 0)] for b, (s, size) in enumerate(zip(self.send, sizes)) if size or not b
+        ]
+
+    @property
+    def _head(self) -> torch.Tensor:
+        first = self.part.sizes[0] if len(self.send) == len(self.part.sizes) else sum(self.part.sizes)
+        return self.send[0][first : first + self.header.size]
+
     @property
     def traffic(self) -> Traffic:
-        """What one round sends per rank: every payload element, header included."""
+        """What the last round launched sent per rank (before: what a round of the first part sends),
+        every payload element, header included."""
         if self.world == 1:
             return Traffic()
-        elements = sum(s.numel() for s in self.send)
-        return Traffic(elements, sum(s.numel() * s.element_size() for s in self.send))
+        payloads = self._payloads()
+        return Traffic(sum(p.numel() for p in payloads), sum(p.numel() * p.element_size() for p in payloads))
 
     @property
     def pending(self) -> bool:
@@ -193,20 +218,23 @@ class Round:
 
     # --- the round ---------------------------------------------------------------------------
 
-    def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True) -> None:
-        """Fill the payload and start its allreduce; ``blocking`` rounds are finished by the caller at once.
+    def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
+        """Fill the payload of ``parts[part]`` and start its allreduce; ``blocking`` rounds are finished by
+        the caller at once.
 
         ``outer=False`` makes an outer-optimizer round a plain mean (rounds during warm-up).
         """
         self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
+        self.part = self.parts[part]
         self._fill()
-        self._tail.zero_()  # a round over a smaller group may leave its header in a larger spare
         self.header.write(self._head, stamp)
         if self.world == 1:  # the sum over one rank is the payload itself: merge it all the same
             self._work = [_Done()]
             return
         try:
-            self._work = [dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self.send]
+            self._work = [
+                dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self._payloads()
+            ]
         except RuntimeError as error:
             raise self._peer_error(error) from error
 
@@ -228,7 +256,7 @@ class Round:
         head = self._head
         if self.check_finite:
             total = torch.stack(
-                [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self.send]
+                [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self._payloads()]
             )
             values = torch.cat([head.double(), total.double()]).tolist()
             finite = all(map(_isfinite, values[self.header.size :]))
@@ -236,7 +264,7 @@ class Round:
             values, finite = head.double().tolist(), True
         rows = self.header.read(values)
         if not finite:
-            names = self.storage.nonfinite(self._regions())
+            names = self._nonfinite_names()
             message = self._rollback()
             raise NonFiniteError(
                 f"{self._label}: NaN or Inf in what the replicas sent, in {', '.join(names) or 'the payload'}"
@@ -257,6 +285,16 @@ class Round:
                 w.wait()
             except RuntimeError:
                 pass  # the caller is already failing; a peer that is gone is its concern, not ours
+
+    def _nonfinite_names(self) -> list[str]:
+        """The tensors of this round's part whose summed payload holds NaN or Inf."""
+        regions, names = self._regions(), []
+        for i in self.part.indices:
+            b, offset, numel = self.storage.slots[i]
+            start = offset - self.part.ranges[b][0]
+            if not bool(torch.isfinite(regions[b][start : start + numel]).all()):
+                names.append(self.storage.names[i])
+        return names
 
     def _peer_error(self, error: BaseException) -> AveragingError:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -282,33 +320,54 @@ class Round:
 class MeanRound(Round):
     """Plain averaging: every replica becomes the mean of the replicas.
 
-    Blocking rounds reduce the flat parameter buffers in place (no copy at all). Overlapped
-    rounds copy the parameters into a send buffer and a snapshot (both allocated once) and merge
-    as ``param <- mean(snapshot) + (param - snapshot)``, computed as ``(param - snapshot) + mean``
-    so that a replica with no local progress lands exactly on the mean.
+    Blocking rounds of the whole storage reduce the flat parameter buffers in place (no copy at
+    all). Overlapped rounds and fragments copy the parameters into a send buffer (and overlapped
+    ones into a snapshot, allocated once) and merge as ``param <- mean(snapshot) + (param - snapshot)``,
+    computed as ``(param - snapshot) + mean`` so that a replica with no local progress lands
+    exactly on the mean.
     """
 
-    def __init__(self, storage: FlatStorage, group: ProcessGroup, *, overlap: bool, check_finite: bool) -> None:
-        super().__init__(storage, group, overlap=overlap, check_finite=check_finite, in_place=not overlap)
+    def __init__(
+        self,
+        storage: FlatStorage,
+        group: ProcessGroup,
+        *,
+        parts: Sequence[Part] | None = None,
+        overlap: bool,
+        check_finite: bool,
+        mixing: float | None = None,
+    ) -> None:
+        super().__init__(
+            storage,
+            group,
+            parts=parts,
+            overlap=overlap,
+            check_finite=check_finite,
+            in_place=not overlap,
+            mixing=mixing,
+        )
         self.snapshot = self.storage.mirror() if overlap else []
 
     def _fill(self) -> None:
         if self.in_place:
             return
-        for x, region, snap in zip(self.storage.data, self._regions(), self.snapshot):
+        for x, region, snap in zip(self.part.data, self._regions(), self.part.of(self.snapshot or self.storage.data)):
             region.copy_(x)
             if not self._blocking:
                 snap.copy_(x)
 
     def _merge(self) -> None:
-        for x, region, snap in zip(self.storage.data, self._regions(), self.snapshot or self.storage.data):
+        data = self.part.data
+        for x, region, snap in zip(data, self._regions(), self.part.of(self.snapshot) if self.snapshot else data):
             region.div_(self.world)
             if self.in_place:
                 continue
             if self._blocking:
                 x.copy_(region)
-            else:
+            elif self.mixing is None:
                 x.sub_(snap).add_(region)
+            else:
+                torch.lerp(region, x, self.mixing, out=x)
 
     def _skip(self) -> None:
         if self.in_place:  # the sum of identical replicas, divided: the same values (to the last bit when
@@ -330,8 +389,9 @@ class DeltaRound(Round):
     Floating-point buffers (BatchNorm statistics) ride in the same payload with an anchor that
     starts at zero, so their first round sends their values and their mean is identical on every
     rank from then on. Memory: the anchor (one copy of the tensors), plus a send buffer in
-    ``comm_dtype`` when it differs from the tensors' dtype or the round is overlapped, plus a
-    snapshot (one more copy) when overlapped. All allocated once.
+    ``comm_dtype`` when it differs from the tensors' dtype, the round is overlapped or covers
+    fragments (sized for the largest), plus a snapshot (one more copy) when overlapped. All
+    allocated once.
     """
 
     def __init__(
@@ -340,19 +400,24 @@ class DeltaRound(Round):
         n_params: int,
         group: ProcessGroup,
         *,
+        parts: Sequence[Part] | None = None,
         comm_dtype: torch.dtype | None,
         overlap: bool,
         check_finite: bool,
+        mixing: float | None = None,
     ) -> None:
         dtypes = {flat.dtype for flat in storage.buffers}
         in_place = not overlap and (comm_dtype is None or dtypes == {comm_dtype})
+        one_dtype = comm_dtype is None or dtypes == {comm_dtype}
         super().__init__(
             storage,
             group,
+            parts=parts,
             overlap=overlap,
             check_finite=check_finite,
-            comm_dtype=None if in_place else comm_dtype,
+            comm_dtype=None if one_dtype else comm_dtype,
             in_place=in_place,
+            mixing=mixing,
         )
         self.n_params = n_params
         self.anchor = self.storage.mirror()
@@ -364,18 +429,30 @@ class DeltaRound(Round):
             self._param_end[b] = max(self._param_end[b], offset + numel)
         self.anchor_parameters()
 
-    def anchor_parameters(self) -> None:
-        """Anchor the parameters where they are now (identical on every rank under DDP).
+    def anchor_parameters(self, part: Part | None = None) -> None:
+        """Anchor the parameters (of ``part``, default all) where they are now (identical on every rank under DDP).
 
         Buffers keep their anchor: zero until the first round, then their mean, identical everywhere.
         """
+        part = part or self.storage.part(range(len(self.storage.tensors)))
         with torch.no_grad():
-            for anchor, x, end in zip(self.anchor, self.storage.data, self._param_end):
+            for anchor, x, end in zip(part.of(self.anchor), part.data, self._param_ends(part)):
                 anchor[:end].copy_(x[:end])
 
+    def clear_anchor(self, part: Part) -> None:
+        """Set ``part``'s anchor to zero, so that its next round sends the parameters themselves: a plain mean
+        of replicas that share no anchor yet (the first round across the islands)."""
+        for anchor in part.of(self.anchor):
+            anchor.zero_()
+
+    def _param_ends(self, part: Part) -> list[int]:
+        """Per buffer, where the parameters end inside ``part``'s range (the rest are buffers)."""
+        return [min(max(end - start, 0), stop - start) for end, (start, stop) in zip(self._param_end, part.ranges)]
+
     def _fill(self) -> None:
+        data = self.part.data
         for x, anchor, region, snap in zip(
-            self.storage.data, self.anchor, self._regions(), self.snapshot or self.storage.data
+            data, self.part.of(self.anchor), self._regions(), self.part.of(self.snapshot) if self.snapshot else data
         ):
             if self._blocking:
                 torch.sub(anchor, x, out=x)  # the parameters are rebuilt from the anchor when the round finishes
@@ -386,35 +463,40 @@ class DeltaRound(Round):
                 torch.sub(anchor, snap, out=region)
 
     def _merge(self) -> None:
-        for x, region, snap in zip(self.storage.data, self._regions(), self.snapshot or self.storage.data):
+        data = self.part.data
+        snapshot = self.part.of(self.snapshot) if self.snapshot else data
+        for x, region, snap in zip(data, self._regions(), snapshot):
             if not self._blocking:
                 # The local progress since launch; exactly zero for a replica that made none, so that
-                # it lands bitwise on the new anchor.
-                torch.sub(x, snap, out=snap)
+                # it lands bitwise on the new anchor. Mixing keeps the local parameters instead.
+                torch.sub(x, snap, out=snap) if self.mixing is None else snap.copy_(x)
             if not self.in_place:
                 x.copy_(region)  # the summed pseudo-gradient, in the parameters' dtype, in scratch space
-        self._move_anchor(self.storage.data)
-        for x, anchor, snap in zip(self.storage.data, self.anchor, self.snapshot or self.storage.data):
+        self._move_anchor(data)
+        for x, anchor, snap in zip(data, self.part.of(self.anchor), snapshot):
             if self._blocking:
                 x.copy_(anchor)
-            else:
+            elif self.mixing is None:
                 torch.add(anchor, snap, out=x)
+            else:
+                torch.lerp(anchor, snap, self.mixing, out=x)
 
     def _skip(self) -> None:
         if self._blocking:  # the parameters were turned into the (zero) pseudo-gradient in place
-            for x, anchor in zip(self.storage.data, self.anchor):
+            for x, anchor in zip(self.part.data, self.part.of(self.anchor)):
                 x.copy_(anchor)
 
     def _move_anchor(self, summed: list[torch.Tensor]) -> None:
-        """Move the anchor by the mean pseudo-gradient (``summed`` holds the sum over ranks; scratch)."""
-        for anchor, total in zip(self.anchor, summed):
+        """Move the part's anchor by the mean pseudo-gradient (``summed`` holds the sum over ranks; scratch)."""
+        for anchor, total in zip(self.part.of(self.anchor), summed):
             anchor.sub_(total, alpha=1 / self.world)
 
     def _buffers_part(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [t[end:] for t, end in zip(tensors, self._param_end)]
+        """Per buffer, the floating-point buffers' share of the part's ranges ``tensors``."""
+        return [t[end:] for t, end in zip(tensors, self._param_ends(self.part))]
 
     def _rollback(self) -> str:
-        for x, anchor in zip(self.storage.data, self.anchor):
+        for x, anchor in zip(self.part.data, self.part.of(self.anchor)):
             x.copy_(anchor)
         return (
             "the parameters are back at the anchor (the last averaged state; buffers that were never averaged"

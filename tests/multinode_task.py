@@ -42,16 +42,32 @@ def train(fabric: Fabric, m: nn.Module, averager: Averager, start: int, stop: in
         opt.step()
         opt.zero_grad()
         before = (averager.rounds, averager.node_rounds)
+        values = [p.detach().clone().reshape(-1).tolist() for p in m.parameters()]
         averager.step()
         kind = "across" if averager.rounds > before[0] and averager.node_rounds == before[1] else None
         kind = "node" if averager.node_rounds > before[1] else kind
-        log.append({"step": step + 1, "round": kind, "params": tensors_fingerprint(m.parameters())})
+        log.append(
+            {
+                "step": step + 1,
+                "round": kind,
+                "params": tensors_fingerprint(m.parameters()),
+                "tensors": [tensors_fingerprint([p]) for p in m.parameters()],
+                "before": values,
+                "after": [p.detach().reshape(-1).tolist() for p in m.parameters()],
+                "bytes": averager.traffic.bytes,
+            }
+        )
 
 
 def layout_run(fabric: Fabric, groups, layout: str, steps: int) -> dict:
     if layout == "two-level":
         m = model(fabric, 1)
         averager = Averager(fabric, m, period=6, node_period=2, node_group=groups.node, warmup_steps=2)
+    elif layout == "islands-fragments":  # streaming DiLoCo across the nodes: two fragments, blocking
+        m = model(fabric, 2, process_group=groups.node)
+        averager = Averager(
+            fabric, m, period=6, warmup_steps=2, process_group=groups.across, outer_optimizer=NESTEROV, fragments=2
+        )
     else:
         m = model(fabric, 2, process_group=groups.node)
         options = {"outer_optimizer": NESTEROV, "overlap_steps": 1} if layout == "islands-diloco" else {}
@@ -138,7 +154,8 @@ def main() -> None:
         "node": dist.get_process_group_ranks(groups.node),
         "across": dist.get_process_group_ranks(groups.across),
         "layouts": {
-            layout: layout_run(fabric, groups, layout, 14) for layout in ("islands", "islands-diloco", "two-level")
+            layout: layout_run(fabric, groups, layout, 14)
+            for layout in ("islands", "islands-diloco", "islands-fragments", "two-level")
         },
         "resume": resume_run(fabric, groups, args.out / "ckpt.pt"),
         "bad": bad_layouts(fabric, groups),

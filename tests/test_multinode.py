@@ -66,12 +66,14 @@ def test_islands_keep_each_node_identical_every_step_and_all_after_rounds(ranks,
         entries = [run["log"][i] for run in runs]
         # DDP inside the node: the two processes of a node are bitwise identical at every step.
         assert entries[0]["params"] == entries[1]["params"] and entries[2]["params"] == entries[3]["params"]
-        warmup = entries[0]["step"] <= 2
-        scheduled = warmup or (entries[0]["step"] - 2) % 3 == 0
+        step = entries[0]["step"]
+        scheduled = step > 2 and (step - 2) % 3 == 0  # warm-up (steps 1-2) sends nothing across nodes
         assert (entries[0]["round"] == "across") == scheduled, entries[0]
+        if step <= 2:
+            assert all(e["bytes"] == 0 for e in entries), entries[0]["bytes"]
         if scheduled and layout == "islands":  # a blocking round across nodes: all four identical
             assert len({e["params"] for e in entries}) == 1, i
-        if not scheduled:  # between rounds the nodes drift apart
+        if not scheduled:  # between rounds (and in warm-up, from the same start) the nodes drift apart
             assert entries[0]["params"] != entries[2]["params"], i
     assert len({run["final"] for run in runs}) == 1  # leaving the block: every replica identical
     # Bytes across nodes: each round sends the parameters and a header of 2 ranks, in fp32. Step 14
@@ -82,6 +84,36 @@ def test_islands_keep_each_node_identical_every_step_and_all_after_rounds(ranks,
         sent_without_a_round = 1 if layout == "islands" else 0
         assert run["node_bytes"] == 0
         assert run["bytes"] == (run["rounds"] + sent_without_a_round) * 4 * (run["params"] + header)
+
+
+def test_islands_stream_fragments_warm_up_apart_and_start_with_a_plain_mean(ranks):
+    runs = [r["layouts"]["islands-fragments"] for r in ranks]
+    # Two fragments (the first Linear's weight, then the rest), period 6: fragment 0 at local steps 3, 9,
+    # fragment 1 at 6, 12; the warm-up (steps 1-2) sends nothing across nodes.
+    first = {0: 5, 1: 8}  # the steps of each fragment's first round: a plain mean of the two nodes
+    tensors_of = {0: [0], 1: [1, 2, 3]}
+    header = Header.SLOTS * 2
+    bytes_before = 0
+    for i, entry in enumerate(runs[0]["log"]):
+        step = entry["step"]
+        fragment = {5: 0, 8: 1, 11: 0, 14: 1}.get(step)
+        assert (entry["round"] == "across") == (fragment is not None), entry["step"]
+        others = [run["log"][i] for run in runs]
+        if step <= 2:
+            assert all(e["bytes"] == 0 for e in others)
+        if fragment is None:
+            continue
+        # The fragment's tensors are identical on all four ranks after its round; the others are not touched.
+        for t in tensors_of[fragment]:
+            assert len({e["tensors"][t] for e in others}) == 1, (step, t)
+        sizes = [len(values) for values in entry["before"]]
+        assert entry["bytes"] - bytes_before == 4 * (sum(sizes[t] for t in tensors_of[fragment]) + header)
+        bytes_before = entry["bytes"]
+        if step == first[fragment]:  # no anchor is shared yet: the mean of the nodes, no outer step
+            for t in tensors_of[fragment]:
+                mean = [(a + b) / 2 for a, b in zip(others[0]["before"][t], others[2]["before"][t])]
+                assert max(abs(x - y) for x, y in zip(entry["after"][t], mean)) < 1e-6
+    assert len({run["final"] for run in runs}) == 1
 
 
 def test_two_level_rounds_at_the_right_steps_with_the_right_group(ranks):
@@ -97,13 +129,13 @@ def test_two_level_rounds_at_the_right_steps_with_the_right_group(ranks):
         elif expected == "node":  # identical inside each node, not across
             assert fingerprints[0] == fingerprints[1] and fingerprints[2] == fingerprints[3]
             assert fingerprints[0] != fingerprints[2]
-    # Bytes per level, exact: every round sends the parameters and the (largest) header in fp32.
-    payload = 4 * (runs[0]["params"] + Header.SLOTS * 4)
+    # Bytes per level, exact: every round sends the parameters and its group's header (a slot per rank) in fp32.
+    world, node = (4 * (runs[0]["params"] + Header.SLOTS * ranks) for ranks in (4, 2))
     for run in runs:
         assert run["node_rounds"] == 4  # local steps 2, 4, 8, 10 (6 and 12 are world rounds)
         assert run["rounds"] == 6  # and the exit round, after step 14's, changes nothing (sent, not counted)
-        assert run["node_bytes"] == run["node_rounds"] * payload
-        assert run["bytes"] == (run["rounds"] + 1) * payload
+        assert run["node_bytes"] == run["node_rounds"] * node
+        assert run["bytes"] == run["node_bytes"] + (run["rounds"] - run["node_rounds"] + 1) * world
 
 
 def test_resume_in_the_islands_layout_is_bitwise(ranks):
