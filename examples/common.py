@@ -95,6 +95,14 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
         help="islands: DDP inside each node every step, rounds across nodes only",
     )
     g.add_argument("--node-period", type=int, default=0, help="two-level: also average inside the node every N steps")
+    g.add_argument(
+        "--fragments", type=int, default=1, help="streaming: each round sends one of F fragments, every period/F steps"
+    )
+    g.add_argument(
+        "--mixing",
+        type=float,
+        help="overlapped merges: (1 - a) * global + a * local (default: global + local progress)",
+    )
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,7 +139,7 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """The checks every example makes; every rank runs them before any collective, so a bad flag stops all."""
     minimums = {
         "steps": 1, "batch_size": 1, "period": 0, "warmup_steps": 0, "overlap_steps": 0,
-        "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1, "node_period": 0,
+        "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1, "node_period": 0, "fragments": 1,
     }  # fmt: skip
     for flag, minimum in minimums.items():
         value = getattr(args, flag, None)
@@ -143,8 +151,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
     if not 0 <= args.outer_momentum < 1:
         p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
-    if args.period == 0 and (args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32"):
-        p.error("--overlap-steps, --outer and --comm-dtype need --period N (averaging rounds)")
+    if args.period == 0 and (
+        args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32" or args.fragments > 1
+    ):
+        p.error("--overlap-steps, --outer, --comm-dtype and --fragments need --period N (averaging rounds)")
+    if args.node_period and args.fragments > 1:
+        p.error("--node-period (two-level averaging) cannot be combined with --fragments")
     if args.period == 0 and (args.layout != "flat" or args.node_period):
         p.error("--layout islands and --node-period need --period N (rounds across nodes)")
     if args.node_period and (
@@ -153,6 +165,10 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--node-period needs --layout flat and a --period that is a larger multiple of it")
     if args.overlap_steps and args.overlap_steps >= args.period:
         p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
+    if args.fragments > 1 and (args.period % args.fragments or args.overlap_steps >= args.period // args.fragments):
+        p.error("--fragments F needs a --period that F divides and --overlap-steps smaller than --period / F")
+    if args.mixing is not None and not (args.overlap_steps and 0 <= args.mixing <= 1):
+        p.error(f"--mixing must be in [0, 1] and needs --overlap-steps, got {args.mixing}")
     if args.resume is not None and not args.resume.is_file():
         p.error(f"--resume {args.resume}: no such file")
     if LAUNCHER is not None:
@@ -178,6 +194,8 @@ def mode_name(args: argparse.Namespace) -> str:
     parts += ["bf16"] if args.comm_dtype == "bfloat16" else []
     parts += ["islands"] if args.layout == "islands" else []
     parts += [f"node{args.node_period}"] if args.node_period else []
+    parts += [f"fragments{args.fragments}"] if args.fragments > 1 else []
+    parts += [f"mixing{args.mixing:g}"] if args.mixing is not None else []
     return "-".join(parts)
 
 
@@ -240,7 +258,7 @@ def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Se
 
     Plain blocking averaging also averages the optimizers' moments, so a checkpoint written by rank 0
     loses nothing; DiLoCo keeps them local, as DiLoCo does (its rounds send the parameters only), and
-    overlapped rounds cannot carry them.
+    overlapped and streaming rounds cannot carry them.
     """
     if not args.period:
         return {}
@@ -255,7 +273,11 @@ def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Se
         )
     if args.comm_dtype == "bfloat16":
         options["comm_dtype"] = torch.bfloat16
-    if args.outer == "none" and not args.overlap_steps:
+    if args.fragments > 1:
+        options["fragments"] = args.fragments
+    if args.mixing is not None:
+        options["mixing"] = args.mixing
+    if args.outer == "none" and not args.overlap_steps and args.fragments == 1:
         options["optimizers"] = list(optimizers)
     return {**options, **placement.averager}
 
@@ -340,6 +362,8 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         "outer_lr",
         "outer_momentum",
         "comm_dtype",
+        "fragments",
+        "mixing",
     )
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
 

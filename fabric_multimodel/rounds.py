@@ -150,7 +150,10 @@ class Round:
         if self.in_place and storage.spare.numel() < self.header.size:
             raise ValueError(f"the flat storage needs {self.header.size} spare elements for a round's header.")
         self.send = self._send_buffers(comm_dtype)
+        # Per part: what its collectives reduce, and where its header is (views made once, not per round).
+        self._layouts = [self._layout(part) for part in self.parts]
         self.part = self.parts[0]  # the part of the round in flight, or of the last one
+        self._payload, self._head = self._layouts[0]
         self._work: list[Any] = []
         self._blocking = True
         self._outer = True
@@ -188,19 +191,16 @@ class Round:
             offset += size
         return regions
 
-    def _payloads(self) -> list[torch.Tensor]:
-        """What the collectives reduce: each send buffer's used part, the header after the first one's."""
-        sizes = self.part.sizes if len(self.send) == len(self.part.sizes) else [sum(self.part.sizes)]
+    def _layout(self, part: Part) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """What a round of ``part`` reduces (each send buffer's used part, the header after the first one's),
+        and its header."""
+        sizes = part.sizes if len(self.send) == len(part.sizes) else [sum(part.sizes)]
         head = self.header.size
         # A buffer holding nothing of this part is left out; the first always carries the header.
-        return [
+        payload = [
             s[: size + (head if b == 0 else 0)] for b, (s, size) in enumerate(zip(self.send, sizes)) if size or not b
         ]
-
-    @property
-    def _head(self) -> torch.Tensor:
-        first = self.part.sizes[0] if len(self.send) == len(self.part.sizes) else sum(self.part.sizes)
-        return self.send[0][first : first + self.header.size]
+        return payload, self.send[0][sizes[0] : sizes[0] + head]
 
     @property
     def traffic(self) -> Traffic:
@@ -208,8 +208,7 @@ class Round:
         every payload element, header included."""
         if self.world == 1:
             return Traffic()
-        payloads = self._payloads()
-        return Traffic(sum(p.numel() for p in payloads), sum(p.numel() * p.element_size() for p in payloads))
+        return Traffic(sum(p.numel() for p in self._payload), sum(p.numel() * p.element_size() for p in self._payload))
 
     @property
     def pending(self) -> bool:
@@ -226,6 +225,7 @@ class Round:
         """
         self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
         self.part = self.parts[part]
+        self._payload, self._head = self._layouts[part]
         self._fill()
         self.header.write(self._head, stamp)
         if self.world == 1:  # the sum over one rank is the payload itself: merge it all the same
@@ -233,7 +233,7 @@ class Round:
             return
         try:
             self._work = [
-                dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self._payloads()
+                dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self._payload
             ]
         except RuntimeError as error:
             raise self._peer_error(error) from error
@@ -256,7 +256,7 @@ class Round:
         head = self._head
         if self.check_finite:
             total = torch.stack(
-                [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self._payloads()]
+                [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self._payload]
             )
             values = torch.cat([head.double(), total.double()]).tolist()
             finite = all(map(_isfinite, values[self.header.size :]))

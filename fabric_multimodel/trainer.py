@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from fabric_multimodel.averaging import Averager, _check_arguments
 from fabric_multimodel.collectives import Traffic, describe_disagreement
+from fabric_multimodel.fragments import Fragments
 from fabric_multimodel.models import ddp_options_problem
 from fabric_multimodel.outer import OuterOptimizerFactory
 
@@ -309,6 +310,7 @@ class Averaging:
             outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
             comm_dtype: the floating dtype of the payload, e.g. ``torch.bfloat16``.
             overlap_steps: 0 for blocking rounds; k to merge each round k batches after its launch.
+            fragments, mixing: streaming rounds, as in :class:`~fabric_multimodel.Averager`.
 
         Example::
 
@@ -333,6 +335,8 @@ class Averaging:
         outer_optimizer: OuterOptimizerFactory | None = None,
         comm_dtype: torch.dtype | None = None,
         overlap_steps: int = 0,
+        fragments: Fragments = 1,
+        mixing: float | None = None,
     ) -> None:
         _check_arguments(
             period,
@@ -342,6 +346,7 @@ class Averaging:
             check_finite=True,
             comm_dtype=comm_dtype,
             outer_optimizer=outer_optimizer,
+            mixing=mixing,
             caller="ModelAveraging",
         )
         if not isinstance(average_optimizer_state, bool):
@@ -359,6 +364,8 @@ class Averaging:
             outer_optimizer=outer_optimizer,
             comm_dtype=comm_dtype,
             overlap_steps=overlap_steps,
+            fragments=fragments,
+            mixing=mixing,
         )
         self.average_optimizer_state = average_optimizer_state
         self._averager: Averager | None = None
