@@ -229,7 +229,10 @@ class _Codec:
         index = self._index[: codes.numel()].view_as(codes)
         index.copy_(codes)
         torch.index_select(self._table, 0, index.view(-1), out=out.view(index.numel(), *self._table.shape[1:]))
-        out.mul_(scales.unsqueeze(-1))
+        # Scales widened into scratch first: a mixed-dtype multiply would allocate that copy itself.
+        wide = self._amax[: scales.numel()].view_as(scales)
+        wide.copy_(scales)
+        out.mul_(wide.unsqueeze(-1))
 
 
 class _Layout:
