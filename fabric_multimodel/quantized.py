@@ -59,8 +59,10 @@ SCALE_DTYPE = torch.bfloat16
 #: Elements per block (chosen by measurement: benchmarks/quantized_cost.py).
 DEFAULT_BLOCK_SIZE = 32
 
-#: Elements quantized per batch of kernels: bounds the scratch memory; on a GPU, larger means fewer launches.
-DEFAULT_CHUNK_ELEMENTS = 1 << 20
+#: Elements quantized per batch of kernels unless ``chunk_elements`` says otherwise: on CPU, scratch that
+#: stays in cache (2**20 is up to 3x slower for E2M1); on other devices (GPUs), fewer kernel launches.
+CHUNK_ELEMENTS = {"cpu": 1 << 18}
+DEVICE_CHUNK_ELEMENTS = 1 << 22
 
 # Scales never go below the smallest normal fp32: their reciprocal stays finite, and a block of
 # zeros gets a positive scale (codes 0, no 0/0).
@@ -169,21 +171,30 @@ class _Codec:
         self.code_bytes = block * self.fmt.bits // 8  # per block
         self._amax = torch.empty(capacity, dtype=torch.float32, device=device)
         self._q = torch.empty(capacity * block, dtype=torch.float32, device=device)
-        self._index = torch.empty(capacity * self.code_bytes, dtype=torch.int32, device=device)
-        # Decoding is a table lookup: on CPU, gathering from 256 entries beats torch's fp8 -> fp32 cast
-        # fourfold, and it is the only way to decode E2M1 (no cast exists); the table is the cast itself.
-        every_byte = torch.arange(256, dtype=torch.int32)
-        if self.fmt.bits == 8:
-            self._table = every_byte.to(torch.uint8).view(code_dtype).float().to(device)
-            self._e2m1: list[torch.Tensor] = []
+        # Decoding goes through fp16 bit patterns, which hold every code's value exactly: an fp8 byte is
+        # shifted into place (e5m2 is an fp16's top byte; e4m3fn lands with its exponent 8 too low, which
+        # the scale makes up), an E2M1 byte is looked up as two fp16s. On CPU that beats torch's fp8 cast
+        # two- to eightfold, and E2M1 has no cast at all.
+        self._half = torch.empty(capacity * block, dtype=torch.int16, device=device)
+        self._e2m1: list[torch.Tensor] = []
+        if code_dtype == torch.float8_e4m3fn:
+            # The sign-extended byte shifted by 7 copies the sign into bit 14 too; the mask clears it.
+            self._shift, self._mask, self._factor = 7, ~0x4000, 2.0**8
+        elif code_dtype == torch.float8_e5m2:
+            self._shift, self._mask, self._factor = 8, None, 1.0
         else:
-            nibbles = torch.tensor(_E2M1_MAGNITUDES + tuple(-m for m in _E2M1_MAGNITUDES))
-            self._table = torch.stack([nibbles[every_byte & 15], nibbles[every_byte >> 4]], dim=1).to(device)
+            self._factor = 1.0
+            nibbles = torch.tensor(_E2M1_MAGNITUDES + tuple(-m for m in _E2M1_MAGNITUDES), dtype=torch.float16)
+            every_byte = torch.arange(256)
+            pairs = torch.stack([nibbles[every_byte & 15], nibbles[every_byte >> 4]], dim=1)  # low nibble first
+            self._table = pairs.contiguous().view(torch.int32).view(256).to(device)
+            self._index = torch.empty(capacity * self.code_bytes, dtype=torch.int32, device=device)
             self._e2m1 = [torch.empty(capacity * block, dtype=torch.float32, device=device) for _ in range(3)]
             self._four = torch.tensor(4.0, device=device)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self._amax, self._q, self._index, self._table, *self._e2m1]
+        tensors = [self._amax, self._q, self._half, *self._e2m1]
+        return tensors + ([self._table, self._index, self._four] if self._e2m1 else [])
 
     def encode(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Quantize ``x`` ``[k, m, block]`` (fp32, read only) into ``codes`` ``[k, m, code_bytes]`` (uint8)
@@ -223,16 +234,36 @@ class _Codec:
         torch.add(pairs[..., 0], pairs[..., 1], alpha=16, out=packed)  # first element in the low nibble
         codes.copy_(packed)
 
-    def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
         """Dequantize ``codes`` ``[k, m, code_bytes]`` (uint8) and ``scales`` ``[k, m]`` into ``out``
-        ``[k, m, block]`` (contiguous fp32)."""
-        index = self._index[: codes.numel()].view_as(codes)
-        index.copy_(codes)
-        torch.index_select(self._table, 0, index.view(-1), out=out.view(index.numel(), *self._table.shape[1:]))
-        # Scales widened into scratch first: a mixed-dtype multiply would allocate that copy itself.
+        ``[k, m, block]`` (contiguous fp32), or add them to it (``accumulate``).
+
+        A non-finite block decodes to non-finite values through its scale (e4m3fn's NaN code itself
+        decodes as 480: :meth:`encode` only writes it into blocks whose scale is NaN or Inf).
+        """
+        half = self._half[: out.numel()].view_as(out)
+        if self._e2m1:
+            index = self._index[: codes.numel()].view_as(codes)
+            index.copy_(codes)
+            torch.index_select(self._table, 0, index.view(-1), out=half.view(torch.int32).view(-1))
+        else:
+            half.copy_(codes.view(torch.int8))  # sign-extends
+            half.bitwise_left_shift_(self._shift)
+            if self._mask is not None:
+                half.bitwise_and_(self._mask)
+        # Scales widened into scratch first (a mixed-dtype multiply would allocate that copy itself).
         wide = self._amax[: scales.numel()].view_as(scales)
         wide.copy_(scales)
-        out.mul_(wide.unsqueeze(-1))
+        if self._factor != 1.0:
+            wide.mul_(self._factor)
+        values = half.view(torch.float16)
+        if accumulate:
+            widened = self._q[: out.numel()].view_as(out)
+            widened.copy_(values)
+            out.addcmul_(widened, wide.unsqueeze(-1))
+        else:
+            out.copy_(values)
+            out.mul_(wide.unsqueeze(-1))
 
 
 class _Layout:
@@ -306,7 +337,12 @@ class QuantizedMean:
 
     With one rank there is no collective, but the same quantization and dequantization, so results
     are alike in kind. A peer that fails makes the collective (or its wait) raise RuntimeError; the
-    object is then idle again and the payload as it was.
+    object is then idle again and the payload as it was (with error feedback, the residual already
+    holds this round's quantization error: load a :meth:`state_dict` taken before it to replay the round).
+
+    Memory: the send and receive buffers (``traffic.bytes`` each), one mean shard, and scratch for
+    ``chunk_elements`` elements at a time (default :data:`CHUNK_ELEMENTS` per device type, else
+    :data:`DEVICE_CHUNK_ELEMENTS`), plus the residual with error feedback.
 
     ``error_feedback=True`` keeps what this rank's quantization dropped (one fp32 buffer the size of
     the payload) and adds it to the next payload before quantizing. The owner's quantization of the
@@ -332,12 +368,15 @@ class QuantizedMean:
         block_size: int = DEFAULT_BLOCK_SIZE,
         exact_numel: int = 0,
         error_feedback: bool = False,
-        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        chunk_elements: int | None = None,
     ) -> None:
         caller = "QuantizedMean"
         _check_count(numel, "numel", 1, caller, "the payload's number of elements")
         _check_count(exact_numel, "exact_numel", 0, caller, "the exact channel's number of elements (0 for none)")
         _check_block(block_size, code_dtype, caller)
+        device = torch.device(device)
+        if chunk_elements is None:
+            chunk_elements = CHUNK_ELEMENTS.get(device.type, DEVICE_CHUNK_ELEMENTS)
         _check_count(chunk_elements, "chunk_elements", 1, caller, "the elements quantized per batch of kernels")
         check_member(group, caller)
         self.numel, self.exact_numel, self.code_dtype, self.block_size = numel, exact_numel, code_dtype, block_size
@@ -350,7 +389,7 @@ class QuantizedMean:
         padded = world * self._shard_blocks * block
         capacity = min(max(1, chunk_elements // block), world * self._shard_blocks)
         exact_per_shard = _ceil_div(exact_numel, world)
-        self._codec = _Codec(code_dtype, block, torch.device(device), SCALE_DTYPE, capacity)
+        self._codec = _Codec(code_dtype, block, device, SCALE_DTYPE, capacity)
         self._layout = _Layout(self._shard_blocks, self._codec.code_bytes, exact_per_shard, SCALE_DTYPE)
         self._send = torch.zeros(world * self._layout.segment, dtype=torch.uint8, device=device)
         self.device = self._send.device
@@ -453,11 +492,10 @@ class QuantizedMean:
         codes, scales = layout.codes(self._received), layout.scales(self._received)
         mean_codes, mean_scales = layout.codes(self._mean), layout.scales(self._mean)
         for lo, hi in self._own_tiles:
-            total, part = (t[: (hi - lo) * block].view(1, hi - lo, block) for t in self._scratch)
+            total = self._scratch[0][: (hi - lo) * block].view(1, hi - lo, block)
             codec.decode(codes[:1, lo:hi], scales[:1, lo:hi], total)
             for r in range(1, self.world):  # in rank order, so the sum is the same whatever the timing
-                codec.decode(codes[r : r + 1, lo:hi], scales[r : r + 1, lo:hi], part)
-                total.add_(part)
+                codec.decode(codes[r : r + 1, lo:hi], scales[r : r + 1, lo:hi], total, accumulate=True)
             total.div_(self.world)
             codec.encode(total, mean_codes[:, lo:hi], mean_scales[:, lo:hi])
         torch.sum(layout.exact(self._received), dim=0, out=layout.exact(self._mean)[0])

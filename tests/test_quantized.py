@@ -87,6 +87,18 @@ def test_e2m1_encoding_matches_torchs_vendored_reference_ties_included():
     assert torch.equal(codes.view(torch.uint8), reference)
 
 
+@pytest.mark.parametrize("code", [E4M3, E5M2], ids=str)
+def test_fp8_decoding_is_torchs_cast_of_every_byte(code):
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = dequantize(Quantized(every_byte.view(1, 256).view(code), torch.ones(1, dtype=torch.bfloat16)), 256)
+    cast = every_byte.view(code).float()
+    if code == E4M3:  # its NaN code decodes as 480: quantize writes it only into blocks with a NaN or Inf scale
+        nan_codes = cast.isnan()
+        assert nan_codes.sum() == 2 and torch.equal(values[nan_codes].abs(), torch.tensor([480.0, 480.0]))
+        values, cast = values[~nan_codes], cast[~nan_codes]
+    assert torch.equal(bits(values), bits(cast))
+
+
 @pytest.mark.parametrize("code", CODE_DTYPES, ids=str)
 def test_representable_values_round_trip_exactly(code):
     """Values on the code grid times a power of two, with the top code in every block: exact round trip."""
