@@ -190,11 +190,13 @@ class _Codec:
             self._table = pairs.contiguous().view(torch.int32).view(256).to(device)
             self._index = torch.empty(capacity * self.code_bytes, dtype=torch.int32, device=device)
             self._e2m1 = [torch.empty(capacity * block, dtype=torch.float32, device=device) for _ in range(3)]
-            self._four = torch.tensor(4.0, device=device)
+            self._four, self._sign_offset, self._magic, self._magic_4 = (
+                torch.tensor(c, device=device) for c in (4.0, 4.0 - 2.0**23, 2.0**23, 2.0**23 + 4)
+            )
 
     def buffers(self) -> list[torch.Tensor]:
         tensors = [self._amax, self._q, self._half, *self._e2m1]
-        return tensors + ([self._table, self._index, self._four] if self._e2m1 else [])
+        return tensors + ([self._table, self._index] if self._e2m1 else [])
 
     def encode(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         """Quantize ``x`` ``[k, m, block]`` (fp32, read only) into ``codes`` ``[k, m, code_bytes]`` (uint8)
@@ -217,20 +219,22 @@ class _Codec:
             self._encode_e2m1(q, codes)
 
     def _encode_e2m1(self, q: torch.Tensor, codes: torch.Tensor) -> None:
-        # Magnitude code m for |q| rounded to nearest, ties to the even code: the code is a concave
+        # The magnitude code m of |q| rounded to nearest, ties to the even code: the code is a concave
         # piecewise-linear function of the value, min(2a, a + 2, a/2 + 4) (affine between neighbouring
-        # codes), so m = min(rne(2a), rne(a) + 2, rne(a/2) + 4); each rne rounds an exact product once.
-        a, u, v = (t[: q.numel()].view_as(q) for t in self._e2m1)
+        # codes), so m = min(rne(2a), rne(a) + 2, rne(a/2) + 4). Each rne is one fp32 addition of 2**23
+        # (plus the even offset, which keeps the parity that ties round to) to an exact multiple of a.
+        a, low, other = (t[: q.numel()].view_as(q) for t in self._e2m1)
         torch.abs(q, out=a)
         torch.copysign(self._four, q, out=q)
-        torch.sub(self._four, q, out=q)  # the sign bit's value: 0 or 8
-        torch.mul(a, 0.5, out=u).round_().add_(2)
-        torch.round(a, out=v)
-        torch.minimum(u, v, out=u).add_(2)
-        a.mul_(2).round_()
-        torch.minimum(a, u, out=a).add_(q)  # the nibble, 0..15 (beyond 6.0 the a/2 branch gives 7)
-        pairs = a.view(*q.shape[:-1], -1, 2)
-        packed = u[..., : pairs.shape[-2]]
+        torch.sub(self._sign_offset, q, out=q)  # the sign bit's value (0 or 8), less 2**23
+        torch.add(self._magic, a, alpha=2, out=low)
+        torch.add(a, 2.0**23 + 2, out=other)
+        torch.minimum(low, other, out=low)
+        torch.add(self._magic_4, a, alpha=0.5, out=other)
+        torch.minimum(low, other, out=low)
+        low.add_(q)  # the nibble, 0..15 (past 6.0 the a/2 branch gives 7)
+        pairs = low.view(*q.shape[:-1], -1, 2)
+        packed = a[..., : pairs.shape[-2]]
         torch.add(pairs[..., 0], pairs[..., 1], alpha=16, out=packed)  # first element in the low nibble
         codes.copy_(packed)
 
