@@ -2,7 +2,7 @@
 
 A flat fp32 payload is cut into blocks of ``block_size`` elements; each block is sent as codes in
 ``float8_e4m3fn``, ``float8_e5m2`` or E2M1 (``float4_e2m1fn_x2``, two codes per byte) and one
-bfloat16 scale, about a quarter (fp8) or an eighth (fp4) of the bytes of an fp32 allreduce. A round
+bfloat16 scale: 0.27x (fp8) or 0.14x (fp4) of the bytes of an fp32 allreduce. A round
 is a reduce-scatter and an all-gather built from two uint8 collectives (gloo cannot reduce 8-bit
 floats, and summing codes would overflow them anyway):
 
@@ -12,6 +12,11 @@ floats, and summing codes would overflow them anyway):
    divides by ``world``, quantizes that mean again, and ``all_gather_into_tensor`` hands every rank
    every quantized mean shard;
 3. every rank dequantizes the gathered bytes into the payload: every replica holds bitwise the same mean.
+
+E2M1 codes follow the OCP MX layout (bit 3 sign, bits 2-1 exponent with bias 1, bit 0 mantissa), two
+per byte with the first element in the low nibble, as torch packs ``float4_e2m1fn_x2``: the bytes can
+be viewed as that dtype where torch computes with it (CUDA); on CPU torch cannot cast it, so encoding
+and decoding are done here with plain tensor ops, on any device.
 
 Beside the codes rides an *exact* channel: a small fp32 tensor (a round's header) that is summed,
 not quantized (raw bytes, summed in fp32 by the shard's owner), so a caller gets the header's sum
@@ -113,7 +118,10 @@ class Quantized(NamedTuple):
 
 
 def quantize(
-    x: torch.Tensor, code_dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE, scale_dtype=SCALE_DTYPE
+    x: torch.Tensor,
+    code_dtype: torch.dtype,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    scale_dtype: torch.dtype = SCALE_DTYPE,
 ) -> Quantized:
     """Block-quantize the fp32 tensor ``x`` (flattened; the last block padded with zeros).
 
@@ -151,6 +159,8 @@ def dequantize(quantized: Quantized, numel: int) -> torch.Tensor:
     bytes_per_block = codes.shape[-1] * codes.element_size()
     block_size = bytes_per_block * 8 // _format(code_dtype, "dequantize").bits
     blocks = codes.shape[0]
+    if not 0 <= numel <= blocks * block_size:
+        raise ValueError(f"dequantize: `numel` must be 0..{blocks * block_size} (what the blocks hold), got {numel}.")
     codec = _Codec(code_dtype, block_size, codes.device, scales.dtype, blocks)
     out = torch.empty(blocks * block_size, dtype=torch.float32, device=codes.device)
     codec.decode(codes.view(torch.uint8).view(1, blocks, -1), scales.view(1, blocks), out.view(1, blocks, -1))
@@ -403,7 +413,10 @@ class QuantizedMean:
         self._gathered = self._mean if world == 1 else self._send
         self._tail = torch.zeros(padded - self._full_blocks * block, dtype=torch.float32, device=device)
         self._exact = torch.zeros(world * exact_per_shard, dtype=torch.float32, device=device)
-        self._scratch = [torch.empty(capacity * block, dtype=torch.float32, device=device) for _ in range(2)]
+        # The owner's running sum; with error feedback also what was sent, decoded.
+        self._scratch = [
+            torch.empty(capacity * block, dtype=torch.float32, device=device) for _ in range(1 + error_feedback)
+        ]
         self._residual = torch.zeros(padded, dtype=torch.float32, device=device) if error_feedback else None
         self._tiles = _tiles(world, self._shard_blocks, self._full_blocks, block, capacity)
         shard_blocks = self._shard_blocks
