@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# Block-quantized mean: accuracy and cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")
     print(common.machine_line(info, repeats=repeats))
     n = accuracy[0]["elements"]
-    print(f"\n## Accuracy: relative RMS error, {n:,} elements, 4 simulated ranks\n")
+    print(f"\n## Accuracy: relative RMS error, {n:,} elements (the pseudo-gradient: 427,072), 4 simulated ranks\n")
     print("`one`: one quantization, ||Q(x) - x|| / ||x||; `mean`: the 4-rank quantized mean against the exact mean.")
     print(f"Bytes: what each rank sends per payload element at 4 ranks with a {HEADER_ELEMENTS}-element header;")
     print("ratio: those bytes over an fp32 allreduce's input (payload + header).\n")
@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n## Bytes per rank against an fp32 allreduce (default format: bf16 scales, blocks of 32)\n")
     print(common.markdown_table(["elements", "ranks", "code", "bytes per rank", "ratio"], bytes_rows()))
     print("\n## A round on loopback gloo, 2 ranks: median ms of the slowest rank\n")
+    print("buffers: what the QuantizedMean holds; allocated per round: the peak the profiler sees during one round,")
+    print("which is gloo's all-gather temporary (the size of its output); the round itself allocates nothing.\n")
     print(
         common.markdown_table(
             ["elements", "method", "ms", "vs fp32", "bytes ratio", "buffers", "allocated per round"],
