@@ -247,7 +247,7 @@ def test_misordered_phases_and_bad_round_arguments_are_clear_errors():
 @pytest.mark.parametrize("code", CODE_DTYPES, ids=str)
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_a_round_allocates_nothing_in_proportion_to_the_payload(code, error_feedback):
-    n = 300_000
+    n = 100_000
     mean = QuantizedMean(n, code, "cpu", exact_numel=52, error_feedback=error_feedback, chunk_elements=1 << 16)
     payload, exact = torch.randn(n), torch.zeros(52)
     mean.all_reduce_mean(payload, exact)
