@@ -28,7 +28,14 @@ from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from fabric_multimodel import NodeGroups, ddp_of, node_groups
-from fabric_multimodel.checkpoints import CheckpointError, load_checkpoint, remove_stale_temporaries, save_checkpoint
+from fabric_multimodel.checkpoints import (
+    CheckpointError,
+    CheckpointWriter,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
+from fabric_multimodel.elastic import restart_count, resume_latest
 from fabric_multimodel.launch import shutdown
 
 
@@ -45,6 +52,7 @@ def launched_by() -> str | None:
 
 
 LAUNCHER = launched_by()
+AUTO = Path("auto")  # --resume auto
 #: The launcher's own flags for what the scripts' --devices, --num-nodes and --accelerator say.
 LAUNCHER_FLAGS = {
     "fabric run": ("--devices", "--num-nodes", "--accelerator"),
@@ -108,12 +116,22 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--out", type=Path, help="run folder (default: runs/<example>/<settings>-seed<seed>)")
-    g.add_argument("--resume", type=Path, help="a checkpoint.pt written by this script, with the same settings")
+    g.add_argument(
+        "--resume",
+        type=Path,
+        help="a checkpoint.pt written by this script, with the same settings; auto: the run folder's, when there is"
+        " one (what torchrun's restarts use)",
+    )
     g.add_argument(
         "--checkpoint-every",
         type=int,
         default=None,
         help="steps between checkpoints (default: 10%% of --steps; 0: only at the end)",
+    )
+    g.add_argument(
+        "--checkpoint-rounds",
+        action="store_true",
+        help="also write a checkpoint after every averaging round, in the background, one per node (elastic runs)",
     )
     g.add_argument(
         "--log-every", type=int, default=None, help="steps between log lines and stop checks (default: 10%% of --steps)"
@@ -169,8 +187,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--fragments F needs a --period that F divides and --overlap-steps smaller than --period / F")
     if args.mixing is not None and not (args.overlap_steps and 0 <= args.mixing <= 1):
         p.error(f"--mixing must be in [0, 1] and needs --overlap-steps, got {args.mixing}")
-    if args.resume is not None and not args.resume.is_file():
+    if args.resume is None and restart_count():
+        args.resume = AUTO  # torchrun's agent restarted this node's workers: go on from the run folder
+    if args.resume is not None and args.resume != AUTO and not args.resume.is_file():
         p.error(f"--resume {args.resume}: no such file")
+    if args.checkpoint_rounds and (not args.period or args.overlap_steps or args.node_period):
+        p.error("--checkpoint-rounds needs --period N and blocking rounds (no --overlap-steps, no --node-period)")
     if LAUNCHER is not None:
         devices, nodes, accelerator = LAUNCHER_FLAGS[LAUNCHER]
         given = [("--devices", devices, args.devices is not None), ("--num-nodes", nodes, args.num_nodes != 1)]
@@ -213,7 +235,7 @@ def run_folder(
     resuming = getattr(args, "resume", None)
     if args.out is not None:
         folder = args.out
-    elif resuming is not None:
+    elif resuming is not None and resuming != AUTO:
         folder = resuming.parent
     else:
         folder = Path("runs") / example / "-".join([*settings, f"seed{args.seed}"])
@@ -371,36 +393,46 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
 def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> None:
     """Load ``--resume`` into ``state`` (every rank reads it); any problem is one line and exit code 2.
 
-    ``state["config"]`` holds what :func:`run_config` returned for this run; the checkpoint's must
-    match it, and the checkpoint must not be beyond ``--steps``.
+    ``--resume auto`` loads the newest checkpoint any rank finds in the run folder (one small allreduce, and a
+    broadcast when the ranks' copies differ: a node that rejoins with an older one), or starts afresh when
+    there is none. ``state["config"]`` holds what :func:`run_config` returned for this run; the
+    checkpoint's must match it, and the checkpoint must not be beyond ``--steps``.
     """
     config = state["config"]  # the load replaces it with the checkpoint's
+    path = args.out / "checkpoint.pt" if args.resume == AUTO else args.resume
 
     def same_settings(checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("config")
         if not isinstance(saved, dict):
-            raise CheckpointError(f"{args.resume}: not written by this script (it has no config)")
+            raise CheckpointError(f"{path}: not written by this script (it has no config)")
         differences = [
             f"{_flag(k)} {saved[k]!r} (now {config[k]!r})" for k in config if k in saved and saved[k] != config[k]
         ]
         if differences:
-            raise CheckpointError(
-                f"{args.resume} was written with {', '.join(differences)}; resume with the same settings"
-            )
+            raise CheckpointError(f"{path} was written with {', '.join(differences)}; resume with the same settings")
 
     try:
-        extra = load_checkpoint(fabric, args.resume, state, validate=same_settings)
+        if args.resume == AUTO:
+            resumed = resume_latest(fabric, path, state, validate=same_settings)
+            if resumed is None:
+                fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
+                return
+            restart = f" (torchrun restart {restart_count()})" if restart_count() else ""
+            fabric.print(f"--resume auto: step {resumed.step} from {path}{restart}")
+            extra = resumed.extra
+        else:
+            extra = load_checkpoint(fabric, path, state, validate=same_settings)
     except CheckpointError as error:
         fail(fabric, f"--resume {error}")
     if state["step"] > args.steps:
-        fail(fabric, f"{args.resume} is at step {state['step']}, beyond --steps {args.steps}")
+        fail(fabric, f"{path} is at step {state['step']}, beyond --steps {args.steps}")
     if state["step"] == args.steps:
-        fabric.print(f"{args.resume} is at step {args.steps} already: nothing to train; pass a larger --steps")
+        fabric.print(f"{path} is at step {args.steps} already: nothing to train; pass a larger --steps")
         raise SystemExit(0)
     written_by = extra.get("world_size")
     if written_by is not None and written_by != fabric.world_size:
         fabric.print(
-            f"{args.resume} was written by {written_by} processes and resumes into {fabric.world_size}: every"
+            f"{path} was written by {written_by} processes and resumes into {fabric.world_size}: every"
             " process starts from the checkpoint's replica and optimizer state (rank 0's, averaged before saving)"
         )
 
@@ -474,16 +506,35 @@ class Progress:
 
 
 class Checkpointer:
-    """Periodic, atomic checkpoints in the run folder (stale temporaries from a killed save removed first)."""
+    """Atomic checkpoints in the run folder: periodic ones (rank 0, every rank waits), and with
+    ``--checkpoint-rounds`` one after every averaging round, written in the background by one process per
+    node, so that a restarted node finds its own (stale temporaries of killed saves are removed first)."""
 
-    def __init__(self, fabric: Fabric, folder: Path) -> None:
+    def __init__(self, fabric: Fabric, folder: Path, rounds: bool = False) -> None:
         self.fabric, self.path = fabric, folder / "checkpoint.pt"
-        if fabric.is_global_zero:
+        self.rounds = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0)
+        if fabric.local_rank == 0:
             for stale in remove_stale_temporaries(folder):
                 print(f"removed {stale}, left by a save that was interrupted", flush=True)
 
     def save(self, state: Mapping[str, Any]) -> Path:
+        self.rounds.wait()  # the rename of a background write must not land after this one
         return save_checkpoint(self.fabric, self.path, state)
+
+    def after_round(self, state: Mapping[str, Any]) -> None:
+        """After a blocking round, where every replica is the same: a checkpoint written in the background."""
+        self.rounds.save(state)
+
+    def close(self) -> str:
+        """Finish the background write; a line with what the round checkpoints cost, when there were any."""
+        self.rounds.close()
+        if not self.rounds.seconds:
+            return ""
+        copies, writes = zip(*self.rounds.seconds)
+        return (
+            f"round checkpoints: {len(copies)}, training thread {1000 * statistics.median(copies):.2f} ms each"
+            f" (median), background write {1000 * statistics.median(writes):.1f} ms"
+        )
 
 
 def main(run: Callable[[], int | None]) -> None:

@@ -211,7 +211,7 @@ def train(args: argparse.Namespace) -> int | None:
     if args.resume is not None:
         resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-    checkpointer = Checkpointer(fabric, args.out)
+    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds)
     stop = StopSignal()
 
     def save(step: int, sync: bool = True) -> Path:
@@ -244,8 +244,9 @@ def train(args: argparse.Namespace) -> int | None:
             fabric.backward(g_loss)
             opt_g.step()
             opt_g.zero_grad()
-            if averager is not None:
-                averager.step()
+            if averager is not None and averager.step() and args.checkpoint_rounds:
+                state.update(step=step, grad_bytes=grad_bytes.bytes)
+                checkpointer.after_round(state | {"world_size": fabric.world_size})
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
@@ -265,6 +266,7 @@ def train(args: argparse.Namespace) -> int | None:
     wall = time.perf_counter() - wall
     progress.close()
     save(args.steps, sync=False)  # leaving the block averaged already
+    round_checkpoints = checkpointer.close()
     fabric.logger.finalize("success")
     if not fabric.is_global_zero:
         return None
@@ -280,6 +282,8 @@ def train(args: argparse.Namespace) -> int | None:
         result = "dataset=digits"
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {picture.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
+    if args.checkpoint_rounds:
+        print(round_checkpoints, flush=True)
     rounds = averager.rounds if averager is not None else 0
     print(
         final_line(args.steps, result, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm, rounds=rounds),

@@ -412,7 +412,7 @@ def train(args: argparse.Namespace) -> int | None:
     if args.resume is not None:
         resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-    checkpointer = Checkpointer(fabric, args.out)
+    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds)
     stop = StopSignal()
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
     stream = Stream(corpus.train, args.context, args.seed, fabric.global_rank)
@@ -451,8 +451,9 @@ def train(args: argparse.Namespace) -> int | None:
                 fabric.clip_gradients(model, optimizer, max_norm=args.clip)
             optimizer.step()
             optimizer.zero_grad()
-            if averager is not None:
-                averager.step()
+            if averager is not None and averager.step() and args.checkpoint_rounds:
+                state.update(step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes)
+                checkpointer.after_round(state | {"world_size": fabric.world_size})
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
@@ -478,6 +479,7 @@ def train(args: argparse.Namespace) -> int | None:
         metrics = {"val_loss": val_loss, "lr": learning_rate(args.steps, args), "comm_bytes": sent()}
         fabric.log_dict(metrics | ({"train_loss": loss.item()} if loss is not None else {}), step=args.steps)
     save(args.steps, sync=False)  # leaving the block averaged already
+    round_checkpoints = checkpointer.close()
     fabric.logger.finalize("success")
     if not fabric.is_global_zero:
         return None
@@ -490,6 +492,8 @@ def train(args: argparse.Namespace) -> int | None:
     comm = sent()
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {plot.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
+    if args.checkpoint_rounds:
+        print(round_checkpoints, flush=True)
     quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"
     rounds = averager.rounds if averager is not None else 0
     print(

@@ -10,8 +10,12 @@ finite tensors, expected keys) before it changes anything.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
+import socket
+import threading
+import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -26,8 +30,10 @@ from fabric_multimodel.models import _builds_plain_ddp
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
 
-#: Temporary files are named ``.<name>.tmp-<pid>`` beside their target (see :func:`remove_stale_temporaries`).
+#: Temporary files are named ``.<name>.tmp-<host>-<pid>`` beside their target (see :func:`remove_stale_temporaries`).
 TEMPORARY_INFIX = ".tmp-"
+#: A temporary file of another machine (a shared folder) is stale once it is this old: a write takes seconds.
+FOREIGN_STALE_S = 600.0
 
 
 class CheckpointError(ValueError):
@@ -60,28 +66,112 @@ def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str,
     if not _builds_plain_modules(fabric):
         fabric.save(path, dict(state))
         return path
-    converted = {
-        key: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
-        for key, value in state.items()
-    }
     if fabric.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}{TEMPORARY_INFIX}{os.getpid()}")
-        try:
-            with temporary.open("wb") as f:
-                torch.save(converted, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, path)
-        finally:
-            temporary.unlink(missing_ok=True)
-        _fsync_folder(path.parent)
+        _write_atomically(path, _state_dicts(state))
     fabric.barrier()
     return path
 
 
+class CheckpointWriter:
+    """Atomic checkpoints written off the training thread, cheap enough for every averaging round.
+
+    :meth:`save` copies the state to host memory (the ``state_dict()`` of modules, optimizers and
+    an :class:`Averager`; tensors cloned) and returns; a background thread writes it as
+    :func:`save_checkpoint` does (a temporary file beside the target, flushed to disk, renamed over
+    it), so a kill at any moment leaves the previous checkpoint or the new one, whole. One write is
+    in flight at a time: a ``save`` while one is still being written waits for it first. Make one
+    writer per node (``enabled=fabric.local_rank == 0``) so that a restarted node finds its own
+    copy; no collective is involved, so other ranks may call ``save`` (disabled: it does nothing)
+    or not. ``seconds`` keeps, per save, the time the training thread spent and the write's.
+
+    Example::
+
+        writer = CheckpointWriter(out / "checkpoint.pt", enabled=fabric.local_rank == 0)
+        if averager.step():  # right after a round: every replica is the same
+            writer.save({"model": model, "averager": averager, "step": step})
+        ...
+        writer.close()
+    """
+
+    def __init__(self, path: str | os.PathLike, *, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        #: Per save: (seconds the caller waited for the copy, seconds the background write took).
+        self.seconds: list[tuple[float, float]] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, state: Mapping[str, Any]) -> None:
+        """Copy ``state`` to host memory now and write it in the background (nothing when disabled)."""
+        if not self.enabled:
+            return
+        start = time.perf_counter()
+        self.wait()
+        snapshot = _to_host(_state_dicts(state))
+        copied = time.perf_counter() - start
+        self._thread = threading.Thread(target=self._write, args=(snapshot, copied), daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise what it failed with, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"{self.path}: the background write failed ({type(error).__name__}: {error})")
+
+    def close(self) -> None:
+        """Finish the write in flight (call it before the process ends)."""
+        self.wait()
+
+    def _write(self, snapshot: dict[str, Any], copied: float) -> None:
+        start = time.perf_counter()
+        try:
+            _write_atomically(self.path, snapshot)
+        except BaseException as error:  # reported on the training thread, at the next save or close
+            self._error = error
+        self.seconds.append((copied, time.perf_counter() - start))
+
+
+def _state_dicts(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        key: value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+        for key, value in state.items()
+    }
+
+
+def _to_host(value: Any) -> Any:
+    """A copy that later training steps cannot change: tensors cloned to CPU, containers copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return copy.deepcopy(value)
+
+
+def _write_atomically(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}{TEMPORARY_INFIX}{socket.gethostname()}-{os.getpid()}")
+    try:
+        with temporary.open("wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    _fsync_folder(path.parent)
+
+
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
     """Delete temporary files that a killed :func:`save_checkpoint` left in ``folder``; returns them.
+
+    A temporary is stale when the process that wrote it (its name holds the host and the process
+    id) no longer runs; one of another host (a shared folder) when it is older than
+    ``FOREIGN_STALE_S``. A write still under way is never touched.
 
     Example::
 
@@ -89,10 +179,26 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
             remove_stale_temporaries(out)
     """
     folder = Path(folder)
-    stale = [p for p in folder.glob(f".*{TEMPORARY_INFIX}*") if p.is_file()] if folder.is_dir() else []
+    stale = [p for p in folder.glob(f".*{TEMPORARY_INFIX}*") if p.is_file() and _stale(p)] if folder.is_dir() else []
     for p in stale:
         p.unlink(missing_ok=True)
     return stale
+
+
+def _stale(temporary: Path) -> bool:
+    host, _, pid = temporary.name.rpartition(TEMPORARY_INFIX)[2].rpartition("-")
+    if host != socket.gethostname() or not pid.isdigit():
+        try:
+            return time.time() - temporary.stat().st_mtime > FOREIGN_STALE_S
+        except OSError:
+            return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def read_checkpoint(path: str | os.PathLike, expected: Iterable[str] = ()) -> dict[str, Any]:
@@ -158,7 +264,23 @@ def load_checkpoint(
         start = state["step"]
     """
     path = Path(path)
-    checkpoint = read_checkpoint(path)
+    return load_state(path, read_checkpoint(path), state, validate=validate)
+
+
+def load_state(
+    path: Path,
+    checkpoint: dict[str, Any],
+    state: dict[str, Any],
+    *,
+    validate: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Load an already read and verified ``checkpoint`` into ``state`` (see :func:`load_checkpoint`); ``path``
+    names it in errors.
+
+    Example::
+
+        load_state(path, read_checkpoint(path), {"model": model, "step": 0})
+    """
     if validate is not None:
         validate(checkpoint)
     _check_keys(path, checkpoint, state)

@@ -44,6 +44,7 @@ class OuterRound(DeltaRound):
         parts: Sequence[Part] | None = None,
         order: Sequence[int] | None = None,
         mixing: float | None = None,
+        error_feedback: bool = False,
     ) -> None:
         super().__init__(
             storage,
@@ -54,6 +55,7 @@ class OuterRound(DeltaRound):
             overlap=overlap,
             check_finite=check_finite,
             mixing=mixing,
+            error_feedback=error_feedback,
         )
         #: The parameters' positions in the storage, in the modules' order (the order the factory sees).
         self.order = list(order) if order is not None else list(range(n_params))
@@ -66,8 +68,9 @@ class OuterRound(DeltaRound):
         if not self._outer:
             super()._move_anchor(summed)
             return
-        for total in summed:
-            total.div_(self.world)
+        if self._carrier.sums:  # a quantized transport delivers the mean itself
+            for total in summed:
+                total.div_(self.world)
         stepped = set(self.part.indices)
         for index, param, grad in zip(self.order, self.params, self._grads):
             param.grad = grad if index in stepped else None

@@ -543,6 +543,12 @@ class QuantizedMean:
             self._exact_out.copy_(self._exact[: self.exact_numel])
         self._payload = self._exact_out = None
 
+    def clear_residual(self) -> None:
+        """Forget what error feedback kept (after a round that was rolled back: it held that round's values)."""
+        self._check_between_rounds("clear_residual")
+        if self._residual is not None:
+            self._residual.zero_()
+
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residual (``{}`` without error feedback), for an exact resume; between rounds only."""
         self._check_between_rounds("state_dict")

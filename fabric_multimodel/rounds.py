@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_size
 from fabric_multimodel.flat import FlatStorage, Part
+from fabric_multimodel.quantized import CODE_DTYPES, QuantizedMean
 
 
 class AveragingError(RuntimeError):
@@ -154,7 +155,11 @@ class Round:
         self._layouts = [self._layout(part) for part in self.parts]
         self.part = self.parts[0]  # the part of the round in flight, or of the last one
         self._payload, self._head = self._layouts[0]
-        self._work: list[Any] = []
+        self._transports = [self._transport(part, *layout) for part, layout in zip(self.parts, self._layouts)]
+        self._carrier = self._transports[0]
+        #: How many phases a round's collectives take (2: a quantized round's all-to-all, then its all-gather).
+        self.phases = 1
+        self._in_flight = False
         self._blocking = True
         self._outer = True
         self._label = ""
@@ -202,18 +207,20 @@ class Round:
         ]
         return payload, self.send[0][sizes[0] : sizes[0] + head]
 
+    def _transport(self, part: Part, payload: list[torch.Tensor], head: torch.Tensor) -> Any:
+        """What carries a round of ``part`` between the ranks: by default, a SUM allreduce of each payload buffer."""
+        return _Sum(payload, self.group, self.world)
+
     @property
     def traffic(self) -> Traffic:
         """What the last round launched sent per rank (before: what a round of the first part sends),
         every payload element, header included."""
-        if self.world == 1:
-            return Traffic()
-        return Traffic(sum(p.numel() for p in self._payload), sum(p.numel() * p.element_size() for p in self._payload))
+        return self._carrier.traffic
 
     @property
     def pending(self) -> bool:
         """True while a round is in flight (launched, not yet finished)."""
-        return bool(self._work)
+        return self._in_flight
 
     # --- the round ---------------------------------------------------------------------------
 
@@ -226,17 +233,22 @@ class Round:
         self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
         self.part = self.parts[part]
         self._payload, self._head = self._layouts[part]
+        self._carrier = self._transports[part]
         self._fill()
         self.header.write(self._head, stamp)
-        if self.world == 1:  # the sum over one rank is the payload itself: merge it all the same
-            self._work = [_Done()]
-            return
         try:
-            self._work = [
-                dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self._payload
-            ]
+            self._carrier.start()
         except RuntimeError as error:
             raise self._peer_error(error) from error
+        self._in_flight = True
+
+    def exchange(self) -> None:
+        """Move the round in flight to its second phase (a quantized round's all-gather); nothing otherwise."""
+        if self._in_flight:
+            try:
+                self._carrier.exchange()
+            except RuntimeError as error:
+                raise self._peer_error(error) from error
 
     def finish(self) -> list[Stamp]:
         """Wait for the round in flight and merge it; returns every rank's :class:`Stamp`.
@@ -245,12 +257,11 @@ class Round:
         ``sync()``, right after a round). Raises :class:`NonFiniteError` when the summed payload is
         not finite (after the rollback).
         """
-        if not self._work:
+        if not self._in_flight:
             return []
-        work, self._work = self._work, []
+        self._in_flight = False
         try:
-            for w in work:
-                w.wait()
+            self._carrier.finish()
         except RuntimeError as error:
             raise self._peer_error(error) from error
         head = self._head
@@ -279,12 +290,13 @@ class Round:
 
     def discard(self) -> None:
         """Wait for the round in flight (every rank issued it) and drop its result; replicas keep their values."""
-        work, self._work = self._work, []
-        for w in work:
-            try:
-                w.wait()
-            except RuntimeError:
-                pass  # the caller is already failing; a peer that is gone is its concern, not ours
+        if not self._in_flight:
+            return
+        self._in_flight = False
+        try:
+            self._carrier.finish()
+        except RuntimeError:
+            pass  # the caller is already failing; a peer that is gone is its concern, not ours
 
     def _nonfinite_names(self) -> list[str]:
         """The tensors of this round's part whose summed payload holds NaN or Inf."""
@@ -392,6 +404,12 @@ class DeltaRound(Round):
     ``comm_dtype`` when it differs from the tensors' dtype, the round is overlapped or covers
     fragments (sized for the largest), plus a snapshot (one more copy) when overlapped. All
     allocated once.
+
+    A low-bit ``comm_dtype`` (``torch.float8_e4m3fn``, ``torch.float8_e5m2``,
+    ``torch.float4_e2m1fn_x2``) sends the fp32 pseudo-gradient through a
+    :class:`~fabric_multimodel.quantized.QuantizedMean` per part (an all-to-all of block-quantized
+    codes, the owners' means, an all-gather; the header in its exact channel), and with
+    ``error_feedback`` each rank adds back what its last quantization of the part dropped.
     """
 
     def __init__(
@@ -405,10 +423,16 @@ class DeltaRound(Round):
         overlap: bool,
         check_finite: bool,
         mixing: float | None = None,
+        error_feedback: bool = False,
     ) -> None:
         dtypes = {flat.dtype for flat in storage.buffers}
-        in_place = not overlap and (comm_dtype is None or dtypes == {comm_dtype})
-        one_dtype = comm_dtype is None or dtypes == {comm_dtype}
+        #: The code dtype of a quantized round (None: the payload is sent as it is, in ``comm_dtype``).
+        self.code_dtype = comm_dtype if comm_dtype in CODE_DTYPES else None
+        self._error_feedback = error_feedback
+        if self.code_dtype is not None:
+            comm_dtype = torch.float32  # the pseudo-gradient is computed in fp32 and quantized by the transport
+        in_place = not overlap and self.code_dtype is None and (comm_dtype is None or dtypes == {comm_dtype})
+        one_dtype = self.code_dtype is None and (comm_dtype is None or dtypes == {comm_dtype})
         super().__init__(
             storage,
             group,
@@ -419,6 +443,7 @@ class DeltaRound(Round):
             in_place=in_place,
             mixing=mixing,
         )
+        self.phases = 2 if self.code_dtype is not None else 1
         self.n_params = n_params
         self.anchor = self.storage.mirror()
         self.snapshot = self.storage.mirror() if overlap else []
@@ -428,6 +453,20 @@ class DeltaRound(Round):
             b, offset, numel = self.storage.slots[i]
             self._param_end[b] = max(self._param_end[b], offset + numel)
         self.anchor_parameters()
+
+    def _transport(self, part: Part, payload: list[torch.Tensor], head: torch.Tensor) -> Any:
+        if self.code_dtype is None:
+            return super()._transport(part, payload, head)
+        numel = sum(part.sizes)
+        mean = QuantizedMean(
+            numel,
+            self.code_dtype,
+            self.send[0].device,
+            group=self.group,
+            exact_numel=head.numel(),
+            error_feedback=self._error_feedback,
+        )
+        return _Quantized(mean, self.send[0][:numel], head)
 
     def anchor_parameters(self, part: Part | None = None) -> None:
         """Anchor the parameters (of ``part``, default all) where they are now (identical on every rank under DDP).
@@ -488,8 +527,9 @@ class DeltaRound(Round):
 
     def _move_anchor(self, summed: list[torch.Tensor]) -> None:
         """Move the part's anchor by the mean pseudo-gradient (``summed`` holds the sum over ranks; scratch)."""
+        alpha = 1 / self.world if self._carrier.sums else 1.0  # a quantized transport delivers the mean itself
         for anchor, total in zip(self.part.of(self.anchor), summed):
-            anchor.sub_(total, alpha=1 / self.world)
+            anchor.sub_(total, alpha=alpha)
 
     def _buffers_part(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per buffer, the floating-point buffers' share of the part's ranges ``tensors``."""
@@ -498,28 +538,92 @@ class DeltaRound(Round):
     def _rollback(self) -> str:
         for x, anchor in zip(self.part.data, self.part.of(self.anchor)):
             x.copy_(anchor)
+        if self._error_feedback:  # what it kept came from the values that were rolled back
+            self._carrier.mean.clear_residual()
         return (
             "the parameters are back at the anchor (the last averaged state; buffers that were never averaged"
             " are zero), identical on every rank"
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"anchor": [a.clone() for a in self.anchor]}
+        state: dict[str, Any] = {"anchor": [a.clone() for a in self.anchor]}
+        if self._error_feedback:  # this rank's own: what its quantizations dropped, per part
+            state["error_feedback"] = [t.mean.state_dict()["residual"] for t in self._transports]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         anchors = state["anchor"]
         if len(anchors) != len(self.anchor) or any(a.shape != b.shape for a, b in zip(anchors, self.anchor)):
             raise ValueError("the checkpoint's anchor does not match these modules; load it into the same models.")
+        residuals = state.get("error_feedback")
+        if self._error_feedback and (not isinstance(residuals, list) or len(residuals) != len(self._transports)):
+            raise ValueError(
+                "the checkpoint holds no error-feedback residual for every part; save it with the same options."
+            )
         with torch.no_grad():
             for anchor, saved in zip(self.anchor, anchors):
                 anchor.copy_(saved)
+        for transport, residual in zip(self._transports, residuals or () if self._error_feedback else ()):
+            transport.mean.load_state_dict({"residual": residual})
 
 
-class _Done:
-    """The work handle of a round that needed no communication."""
+class _Sum:
+    """The usual transport: one asynchronous SUM allreduce per payload buffer (none with one rank, where the
+    sum is the payload itself)."""
 
-    def wait(self) -> bool:
-        return True
+    sums = True  # after finish() the payload holds the sum over ranks (not the mean)
+
+    def __init__(self, payload: list[torch.Tensor], group: ProcessGroup, world: int) -> None:
+        self.payload, self.group, self.world = payload, group, world
+        self._work: list[Any] = []
+
+    @property
+    def traffic(self) -> Traffic:
+        if self.world == 1:
+            return Traffic()
+        return Traffic(sum(p.numel() for p in self.payload), sum(p.numel() * p.element_size() for p in self.payload))
+
+    def start(self) -> None:
+        if self.world > 1:
+            self._work = [
+                dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for s in self.payload
+            ]
+
+    def exchange(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        work, self._work = self._work, []
+        for w in work:
+            w.wait()
+
+
+class _Quantized:
+    """A block-quantized mean (fp8 or fp4 codes, see :mod:`fabric_multimodel.quantized`): an all-to-all, then,
+    at :meth:`exchange` or :meth:`finish`, an all-gather. The header rides in its exact channel."""
+
+    sums = False  # after finish() the payload holds the mean; the header holds the exact sum
+
+    def __init__(self, mean: QuantizedMean, payload: torch.Tensor, head: torch.Tensor) -> None:
+        self.mean, self.payload, self.head = mean, payload, head
+        self._sent = False
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.mean.traffic
+
+    def start(self) -> None:
+        self.mean.start(self.payload, self.head)
+        self._sent = True
+
+    def exchange(self) -> None:
+        if self._sent:
+            self._sent = False
+            self.mean.exchange()
+
+    def finish(self) -> None:
+        self._sent = False
+        self.mean.finish()
 
 
 def _isfinite(value: float) -> bool:
