@@ -53,6 +53,8 @@ def launched_by() -> str | None:
 
 LAUNCHER = launched_by()
 AUTO = Path("auto")  # --resume auto
+#: --comm-dtype in run folder names.
+LOW_PRECISION = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8e5m2", "float4_e2m1fn_x2": "fp4"}
 #: The launcher's own flags for what the scripts' --devices, --num-nodes and --accelerator say.
 LAUNCHER_FLAGS = {
     "fabric run": ("--devices", "--num-nodes", "--accelerator"),
@@ -95,7 +97,15 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     g.add_argument("--outer", choices=["none", "nesterov"], default="none", help="nesterov: DiLoCo's outer step")
     g.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
     g.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
-    g.add_argument("--comm-dtype", choices=["float32", "bfloat16"], default="float32", help="what a round sends")
+    g.add_argument(
+        "--comm-dtype",
+        choices=["float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2"],
+        default="float32",
+        help="what a round sends; the float8/float4 ones block-quantized",
+    )
+    g.add_argument(
+        "--error-feedback", action="store_true", help="low-bit rounds: add back what each rank's quantization dropped"
+    )
     g.add_argument(
         "--layout",
         choices=["flat", "islands"],
@@ -185,6 +195,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
     if args.fragments > 1 and (args.period % args.fragments or args.overlap_steps >= args.period // args.fragments):
         p.error("--fragments F needs a --period that F divides and --overlap-steps smaller than --period / F")
+    if args.error_feedback and args.comm_dtype not in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2"):
+        p.error("--error-feedback needs a float8 or float4 --comm-dtype")
     if args.mixing is not None and not (args.overlap_steps and 0 <= args.mixing <= 1):
         p.error(f"--mixing must be in [0, 1] and needs --overlap-steps, got {args.mixing}")
     if args.resume is None and restart_count():
@@ -213,7 +225,8 @@ def mode_name(args: argparse.Namespace) -> str:
     parts = [f"period{args.period}", f"warmup{args.warmup_steps}"]
     parts += [f"overlap{args.overlap_steps}"] if args.overlap_steps else []
     parts += [f"nesterov{args.outer_lr:g}-{args.outer_momentum:g}"] if args.outer != "none" else []
-    parts += ["bf16"] if args.comm_dtype == "bfloat16" else []
+    parts += [LOW_PRECISION[args.comm_dtype]] if args.comm_dtype != "float32" else []
+    parts += ["ef"] if args.error_feedback else []
     parts += ["islands"] if args.layout == "islands" else []
     parts += [f"node{args.node_period}"] if args.node_period else []
     parts += [f"fragments{args.fragments}"] if args.fragments > 1 else []
@@ -293,8 +306,10 @@ def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Se
         options["outer_optimizer"] = functools.partial(
             torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True, foreach=True
         )
-    if args.comm_dtype == "bfloat16":
-        options["comm_dtype"] = torch.bfloat16
+    if args.comm_dtype != "float32":
+        options["comm_dtype"] = getattr(torch, args.comm_dtype)
+    if args.error_feedback:
+        options["error_feedback"] = True
     if args.fragments > 1:
         options["fragments"] = args.fragments
     if args.mixing is not None:
@@ -386,6 +401,7 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         "comm_dtype",
         "fragments",
         "mixing",
+        "error_feedback",
     )
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
 
