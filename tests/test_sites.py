@@ -8,25 +8,35 @@ that do not time anything share the cores.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fabric_multimodel.launch import parse_final_line
 from fabric_multimodel.sites import (
+    FAILURE_GRACE_S,
+    STOP_GRACE_S,
+    Drop,
     Sites,
+    SitesResult,
     format_rate,
     main,
     measure_link,
     parse_rate,
     preconditions,
+    run_sites,
     script_code,
     shell_code,
     socket_in,
@@ -34,7 +44,7 @@ from fabric_multimodel.sites import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TASK = "tests/sites_task.py"
+TASK = str(ROOT / "tests" / "sites_task.py")
 TIMEOUT_S = 150
 MIB = 1 << 20
 START = re.compile(r"^start: world=(\d+) rank=(\d+) node=(\d+) restart=(\d+) time=([\d.]+)$", re.MULTILINE)
@@ -51,11 +61,6 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or preconditions(__file__, 1, 1) is not None,
     reason=f"needs root, iproute2 and a kernel with netns/veth/bridge/tbf: {preconditions(__file__, 1, 1)}",
 )
-
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)  # the task's path, and the examples read their own folder
 
 
 def leftovers(run_id: str) -> list[str]:
@@ -196,7 +201,7 @@ def test_sites_removes_what_it_made_when_making_it_fails():
     ("flags", "message"),
     [
         (["--bandwidth", "10mbps"], "argument --bandwidth: '10mbps' is not a rate: use 500kbit, 10mbit, 1gbit"),
-        (["--script", "tests/no_such_task.py"], "tests/no_such_task.py: no such script"),
+        (["--script", "no_such_task.py"], "no_such_task.py: no such script"),
         (["--sites", "0"], "--sites must be >= 1, got 0"),
         (["--devices", "0"], "--devices must be >= 1, got 0"),
         (["--drop-site", "0", "--at", "5"], "--drop-site must be a site in 1..1, got 0: site 0 hosts the main"),
@@ -236,7 +241,8 @@ def test_not_root_is_one_line_and_exit_2():
     the standard library, so it runs as a file."""
     proc = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-         "fabric_multimodel/sites.py", "--sites", "2", "--devices", "1", "--bandwidth", "10mbit", "--", TASK],
+         str(ROOT / "fabric_multimodel" / "sites.py"), "--sites", "2", "--devices", "1", "--bandwidth", "10mbit",
+         "--", TASK],
         capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]},
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
@@ -252,3 +258,236 @@ def exit_code(argv: list[str]) -> int:
 
 def namespaces() -> set[str]:
     return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+# --- runs of the task script: fabric run, 2 sites x 1 process -------------------------------------------
+
+
+def run_task(out: Path, *flags: str, **options) -> SitesResult:
+    options = {"sites": 2, "devices": 1, "bandwidth": "none", "stream": False, "timeout": TIMEOUT_S, **options}
+    return run_sites(TASK, list(flags), out=out, **options)
+
+
+def formed_after(result: SitesResult) -> float:
+    """Seconds from the scripts' start to site 0's first ``start:`` line (imports and rendezvous)."""
+    return starts(result.logs[0][0])[0]["time"] - result.started
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult]:
+    """2 allreduces of 2 MiB, unlimited; then the same at 20 mbit at the same time as a run whose site 1 exits 3
+    (the failing run mostly imports and waits out its grace; the one at 20 mbit waits on the link). The first
+    runs alone: how long its world took to form tells the drop tests how slow this machine is right now."""
+    allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
+    results = {"unlimited": run_task(base / "unlimited", *allreduces)}
+    jobs = {
+        "limited": lambda: run_task(base / "limited", *allreduces, bandwidth="20mbit"),
+        "failing": lambda: run_task(base / "failing", "--fail-node", "1", "--code", "3"),
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {**results, **{name: future.result() for name, future in futures.items()}}
+
+
+def allreduce_seconds(result: SitesResult) -> float:
+    (line,) = [line for line in result.logs[0][0].read_text().splitlines() if line.startswith("allreduce:")]
+    return float(line.rsplit("seconds=", 1)[1])
+
+
+def test_a_run_across_two_sites_ends_0_and_keeps_every_sites_logs(runs):
+    result = runs["unlimited"]
+    assert result.code == 0 and result.codes == (0, 0), report(result)
+    assert [s["world"] for s in starts(result.logs[0][0]) + starts(result.logs[1][0])] == [2, 2]
+    assert "final: world=2" in result.logs[0][0].read_text() and "final:" not in result.logs[1][0].read_text()
+    assert all(path.is_file() for pair in result.logs for path in pair)
+    assert result.measured_mbit_s > 1000  # veths and a bridge, no limit
+    log = (result.out / "sites.log").read_text()
+    assert f"sites: run {result.run_id}: 2 x 1 processes, link unlimited each way, measured " in log
+    assert leftovers(result.run_id) == []
+
+
+def test_a_limited_link_takes_bytes_over_rate_and_an_unlimited_one_far_less(runs):
+    """Gloo's allreduce of N bytes between 2 ranks sends N bytes each way (half in its reduce-scatter, half
+    in its all-gather), so 2 allreduces of 2 MiB move 4 MiB each way: 1.68 s at 20 mbit."""
+    limited, unlimited = runs["limited"], runs["unlimited"]
+    assert limited.code == 0, report(limited)
+    assert 18.0 < limited.measured_mbit_s < 20.0
+    expected = 2 * 2 * MIB * 8 / 20e6
+    assert 0.7 * expected <= allreduce_seconds(limited) <= 2.5 * expected, allreduce_seconds(limited)
+    assert allreduce_seconds(unlimited) * 5 < allreduce_seconds(limited)
+    assert leftovers(limited.run_id) == []
+
+
+def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
+    """Site 1's script exits 3 once connected (`fabric run` itself exits 1; its report names the 3); site 0
+    sleeps on, and is stopped FAILURE_GRACE_S later (SIGTERM, then SIGKILL after STOP_GRACE_S)."""
+    result = runs["failing"]
+    assert result.code == 3 and result.codes[1] == 3 and result.stopped == (0,), report(result)
+    assert result.wall_s - formed_after(result) < FAILURE_GRACE_S + STOP_GRACE_S + 5, report(result)
+    assert leftovers(result.run_id) == []
+
+
+def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(runs, tmp_path):
+    """`fabric run` worlds are static: site 0's next allreduce fails as soon as site 1's processes are gone, and
+    the tool exits with its code. The drop comes well after the world formed (as slow as the first run's)."""
+    at = round(1.5 * formed_after(runs["unlimited"]) + 3)
+    result = run_task(tmp_path / "run", "--until", str(time.time() + 600), drop=Drop(1, at))
+    assert starts(result.logs[0][0]) and starts(result.logs[0][0])[0]["time"] - result.started < at, report(result)
+    assert at <= result.dropped_at < at + 1 and result.back_at is None, report(result)
+    assert result.codes == (1, -9) and result.code == 1 and result.stopped == (), report(result)
+    assert result.wall_s - result.dropped_at < 10, report(result)
+    assert f"sites: dropped site 1 at {result.dropped_at:.1f} s" in (result.out / "sites.log").read_text()
+    assert leftovers(result.run_id) == []
+
+
+# --- the tool itself, as a process: SIGTERM and Ctrl-C -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Two runs of the tool as a process (torchrun sites, to start faster), each sent a signal once site 0's
+    worker runs; both at once. For each: exit code, seconds from the signal to the exit, stderr, run id."""
+    base = tmp_path_factory.mktemp("signalled")
+    procs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        command = [
+            sys.executable, str(ROOT / "fabric_multimodel" / "sites.py"), "--sites", "2", "--devices", "1",
+            "--bandwidth", "100mbit", "--launcher", "torchrun", "--out", str(base / sig.name), "--timeout", "120",
+            "--", TASK, "--until", str(time.time() + 600),
+        ]  # fmt: skip
+        procs[sig] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with ThreadPoolExecutor(len(procs)) as pool:
+        return dict(zip(procs, pool.map(signal_when_started, procs.values(), procs)))
+
+
+def signal_when_started(proc: subprocess.Popen, sig: int) -> dict:
+    lines, signalled_at = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("start:") and signalled_at is None:
+                proc.send_signal(sig)
+                signalled_at = time.monotonic()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run_id = re.search(r"^sites: run (\w+):", "".join(lines), re.MULTILINE)
+    return {
+        "code": proc.returncode,
+        "seconds": time.monotonic() - signalled_at if signalled_at else None,
+        "stdout": "".join(lines),
+        "stderr": proc.stderr.read(),
+        "run_id": run_id[1] if run_id else None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(signalled, sig, code, word):
+    outcome = signalled[sig]
+    assert outcome["run_id"] and outcome["seconds"] is not None, outcome
+    assert outcome["code"] == code, outcome
+    assert outcome["stderr"].strip().splitlines()[-1] == f"sites: {word}; every site stopped and the network removed"
+    assert outcome["seconds"] < STOP_GRACE_S + 5, outcome
+    assert leftovers(outcome["run_id"]) == []
+
+
+# --- the real examples across 2 sites x 1 process, through the command line ------------------------------
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
+    """examples/lm_fabric.py (DiLoCo) and examples/gan_fabric.py (local SGD), 6 steps each, both at once, each
+    by `python -m fabric_multimodel.sites` at 100 mbit: (exit code, stdout, stderr) by name."""
+    base = tmp_path_factory.mktemp("examples")
+    schedule = ["--steps", "6", "--period", "3", "--warmup-steps", "2", "--checkpoint-every", "0"]
+    scripts = {
+        "lm": ["examples/lm_fabric.py", *schedule, "--outer", "nesterov", "--log-every", "3", "--eval-batches", "1"],
+        "gan": ["examples/gan_fabric.py", *schedule],
+    }
+    tool = [sys.executable, "-m", "fabric_multimodel.sites", "--sites", "2", "--devices", "1", "--bandwidth", "100mbit"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs = {
+        name: subprocess.Popen(
+            [
+                *tool,
+                "--timeout",
+                str(TIMEOUT_S),
+                "--out",
+                str(base / f"{name}-sites"),
+                "--",
+                str(ROOT / script),
+                *args,
+                "--out",
+                str(base / name),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for name, (script, *args) in scripts.items()
+    }
+    with ThreadPoolExecutor(len(procs)) as pool:
+        outputs = dict(zip(procs, pool.map(lambda p: p.communicate(timeout=TIMEOUT_S + 30), procs.values())))
+    return {name: (procs[name].returncode, *outputs[name]) for name in procs}
+
+
+@pytest.mark.parametrize(("name", "keys"), [("lm", LM_KEYS), ("gan", GAN_KEYS)])
+def test_the_examples_train_across_two_sites(examples, name, keys):
+    """Warm-up steps 1-2 synchronous, a round at step 5, and one on leaving the local steps at 6."""
+    code, stdout, stderr = examples[name]
+    assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert stdout.startswith("sites: run ") and " 2 x 1 processes, link 100mbit each way, measured " in stdout
+    final = parse_final_line(stdout, keys)
+    assert int(final["steps"]) == 6 and int(final["rounds"]) == 2 and int(final["comm_bytes"]) > 0, final
+    quality = float(final["val_loss"]) if name == "lm" else int(final["modes_captured"].split("/")[0])
+    assert math.isfinite(quality) and quality >= 0, final
+    assert stdout.strip().splitlines()[-1].startswith("sites: exit 0 after ")
+    run_id = re.match(r"sites: run (\w+):", stdout)[1]
+    assert leftovers(run_id) == []
+
+
+# --- torchrun: elastic agents, a site lost and back ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def elastic(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
+    """torchrun agents on 2 sites; site 1 is dropped once the world runs and started again once site 0 runs
+    alone. The task loops until shortly after the drop, in the full world only: a smaller world goes on until
+    torch elastic restarts it into a larger one, and the last world ends after a few rounds. The times scale
+    with how long the first run's world took to form (torchrun's start about half of `fabric run`'s)."""
+    formed = formed_after(runs["unlimited"])
+    at = round(max(8.0, 0.75 * formed + 3))
+    back = round(at + 8 + 0.5 * formed)
+    until = time.time() + at + 4
+    out = tmp_path_factory.mktemp("elastic") / "run"
+    return run_task(out, "--until", str(until), "--world", "2", launcher="torchrun", drop=Drop(1, at, back))
+
+
+def test_torchrun_agents_rendezvous_across_the_sites_and_train(elastic):
+    assert elastic.code == 0 and elastic.codes == (0, 0), report(elastic)
+    first = [starts(out)[0] for out, _ in elastic.logs]
+    assert [s["world"] for s in first] == [2, 2] and all(
+        s["time"] - elastic.started < elastic.dropped_at for s in first
+    )
+    assert "final: world=2" in elastic.logs[0][0].read_text()
+
+
+def test_torchrun_after_a_drop_the_world_shrinks_and_grows_back(elastic):
+    """Site 0's agent restarts its worker (a peer died) into a world of 1, then into a world of 2 when site 1's
+    agent is back; site 1 starts twice, both times in a world of 2."""
+    zero, one = (starts(out) for out, _ in elastic.logs)
+    assert [s["world"] for s in zero] == [2, 1, 2] and [s["world"] for s in one] == [2, 2], report(elastic)
+    shrunk, grown = (s["time"] - elastic.started for s in zero[1:])
+    assert elastic.dropped_at < shrunk < elastic.back_at < grown, report(elastic)
+    print(
+        f"torchrun: dropped at {elastic.dropped_at:.1f} s, world of 1 {shrunk - elastic.dropped_at:.1f} s later;"
+        f" back at {elastic.back_at:.1f} s, world of 2 {grown - elastic.back_at:.1f} s later;"
+        f" run {elastic.wall_s:.1f} s"
+    )
+    assert leftovers(elastic.run_id) == []
