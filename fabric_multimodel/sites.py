@@ -48,7 +48,7 @@ from typing import IO, Any, NoReturn
 
 #: What ``--bandwidth`` accepts, for error messages.
 RATE_FORMS = "500kbit, 10mbit, 1gbit, a plain number of bits per second, or none (unlimited)"
-MIN_RATE = 8_000  # 1 kB/s: below this TCP spends its time in retransmission timeouts
+MIN_RATE = 8_000  # 1 kB/s: the slowest link worth simulating
 MAX_RATE = 100_000_000_000
 _UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}  # SI, as tc reads them
 _RATE = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[kmg]?bit)?", re.IGNORECASE)
@@ -115,8 +115,8 @@ def tbf_settings(bits: int) -> list[str]:
     """The ``tc qdisc ... tbf`` arguments that limit one direction of a link to ``bits`` per second.
 
     - burst: 1 ms at the rate, at least two full frames. Fewer tokens would make the kernel's timer the
-      limit at 1 gbit (measured ~30% slow on 256 kB-1 MB transfers with 16 kB); more would let small
-      transfers through at memory speed (a 64 kB burst passes a 64 kB message at once at 10 mbit).
+      limit at 1 gbit (256 kB-1 MB transfers took 1.3x their time with 16 kB); more lets small transfers
+      through at memory speed (with 16 kB at 10 mbit, a 16 kB message took 7% of its time on the wire).
     - limit (the queue): 200 ms at the rate, at least 256 kB. A queue smaller than one message tail-drops
       it and TCP then waits out a 200 ms retransmission timeout: with 50 ms at 10 mbit a 64 kB
       round trip took 5x its time on the wire; with 200 ms it takes 1.00x.
@@ -130,10 +130,10 @@ def tbf_settings(bits: int) -> list[str]:
     return ["rate", f"{bits}bit", "burst", str(burst), "limit", str(limit)]
 
 
-def _ip(*args: str) -> None:
-    result = subprocess.run(list(args), capture_output=True, text=True)
+def _must(*command: str) -> None:
+    result = subprocess.run(list(command), capture_output=True, text=True)
     if result.returncode:
-        raise OSError(f"`{' '.join(args)}` failed: {result.stderr.strip() or result.returncode}")
+        raise OSError(f"`{' '.join(command)}` failed: {result.stderr.strip() or result.returncode}")
 
 
 def namespace_pids(name: str) -> list[int]:
@@ -217,18 +217,18 @@ class Sites:
 
     def create(self) -> None:
         """Make the namespaces, the bridge, one veth pair per site, and the limits."""
-        _ip("ip", "netns", "add", self.switch)
-        _ip("ip", "-n", self.switch, "link", "set", "lo", "up")
-        _ip("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("ip", "-n", self.switch, "link", "set", "br0", "up")
+        _must("ip", "netns", "add", self.switch)
+        _must("ip", "-n", self.switch, "link", "set", "lo", "up")
+        _must("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _must("ip", "-n", self.switch, "link", "set", "br0", "up")
         for r, ns in enumerate(self.namespaces):
-            _ip("ip", "netns", "add", ns)
-            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            _must("ip", "netns", "add", ns)
+            _must("ip", "-n", ns, "link", "set", "lo", "up")
             # Both ends are made inside namespaces: the host's namespace never holds an interface of ours.
-            _ip("ip", "-n", self.switch, "link", "add", f"s{r}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("ip", "-n", self.switch, "link", "set", f"s{r}", "master", "br0", "up")
-            _ip("ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", "eth0")
-            _ip("ip", "-n", ns, "link", "set", "eth0", "up")
+            _must("ip", "-n", self.switch, "link", "add", f"s{r}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _must("ip", "-n", self.switch, "link", "set", f"s{r}", "master", "br0", "up")
+            _must("ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", "eth0")
+            _must("ip", "-n", ns, "link", "set", "eth0", "up")
         self.limit()
 
     def limit(self) -> None:
@@ -237,7 +237,7 @@ class Sites:
             for where, dev in ((ns, "eth0"), (self.switch, f"s{r}")):
                 subprocess.run(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], capture_output=True)
                 if self.bits is not None:
-                    _ip("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_settings(self.bits))
+                    _must("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_settings(self.bits))
 
     def exec_prefix(self, site: int) -> list[str]:
         """The command prefix that runs a program inside site ``site``'s namespace."""
@@ -332,11 +332,13 @@ def _send_until_closed(client: socket.socket, address: tuple[str, int]) -> None:
 
 
 def _receive_for(connection: socket.socket, seconds: float) -> tuple[int, float]:
-    """Bytes received and seconds, from the first byte until ``seconds`` have passed (bounded by time, so a slow
-    link and an unlimited one take as long)."""
+    """Bytes received after the first read and the seconds they took, until ``seconds`` have passed (bounded by
+    time, so that a slow link and an unlimited one take as long). The first read only starts the clock: its
+    bytes, a burst the bucket let through at once, arrived before it."""
     buffer = bytearray(1 << 20)
-    received = connection.recv_into(buffer)
-    start = last = time.perf_counter()
+    connection.recv_into(buffer)
+    received, start = 0, time.perf_counter()
+    last = start
     while last - start < seconds:
         count = connection.recv_into(buffer)
         if not count:
@@ -505,12 +507,13 @@ class _Site:
         self.logs = (out / f"site{index}.out", out / f"site{index}.err")
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
+        self.ended_at: float | None = None  # time.monotonic() when the launcher was seen to have exited
         self.dropped = False  # killed by --drop-site (until it is started again)
         self.stopped = False  # ended by the tool after another site failed, or the timeout
         self.pumps: list[threading.Thread] = []
 
     def start(self) -> None:
-        self.code, self.dropped = None, False
+        self.code, self.ended_at, self.dropped = None, None, False
         files = [path.open("a") for path in self.logs]
         try:
             pipes = subprocess.PIPE if self.echo else None
@@ -549,6 +552,7 @@ class _Site:
         if not self.running() or self.proc.poll() is None:
             return False
         self.code = script_code(self.proc.returncode, _tail(self.logs[1]))
+        self.ended_at = time.monotonic()
         return True
 
     def finish(self) -> None:
@@ -591,13 +595,15 @@ class SitesResult:
     ``codes``: each site's last exit code (its script's, see ``script_code``; negative: the signal that ended
     it). ``code``: the run's, as a shell reports it: the largest of the sites that ended on their own (a
     dropped site and the sites the tool stopped do not count; a site back after a drop counts with its last
-    code), 124 after the timeout. ``started``: when the scripts started (``time.time()``); ``wall_s``,
-    ``dropped_at`` and ``back_at`` (when ``drop`` happened) count from then. ``stopped``: the sites the tool
+    code), 124 after the timeout. ``started``: when the scripts started (``time.time()``); ``wall_s``, ``ended``
+    (when each site's launcher was seen to exit, the last time it ran), ``dropped_at`` and ``back_at`` (when
+    ``drop`` happened) count from then. ``stopped``: the sites the tool
     ended after another one failed, or at the timeout.
     """
 
     run_id: str
     codes: tuple[int, ...]
+    ended: tuple[float, ...]
     code: int
     measured_mbit_s: float | None
     out: Path
@@ -643,24 +649,24 @@ def run_sites(
         result = run_sites("train.py", ["--steps", "10"], sites=2, devices=1, bandwidth="10mbit", timeout=300)
         assert result.code == 0, result.logs
     """
-    try:
-        bits = parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth
-    except ValueError as error:
-        raise SitesError(f"--bandwidth {error}") from None
-    if launcher not in ("fabric", "torchrun"):
-        raise SitesError(f"--launcher must be fabric or torchrun, got {launcher!r}")
-    if drop is not None:
-        drop.check(sites)
-    problem = preconditions(script, sites, devices)
-    if problem:
-        raise SitesError(problem)
-    net = Sites(sites, bits)
-    folder = Path(out) if out is not None else Path("runs") / "sites" / net.run_id
-    if folder.exists():
-        raise SitesError(f"{folder} exists already: give --out a new folder")
-    folder.mkdir(parents=True)
-    say = _teller(stream, folder / "sites.log")
-    with _sigterm_raises():
+    with _sigterm_raises():  # already for the kernel probe, which makes a namespace too
+        try:
+            bits = parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth
+        except ValueError as error:
+            raise SitesError(f"--bandwidth {error}") from None
+        if launcher not in ("fabric", "torchrun"):
+            raise SitesError(f"--launcher must be fabric or torchrun, got {launcher!r}")
+        if drop is not None:
+            drop.check(sites)
+        problem = preconditions(script, sites, devices)
+        if problem:
+            raise SitesError(problem)
+        net = Sites(sites, bits)
+        folder = Path(out) if out is not None else Path("runs") / "sites" / net.run_id
+        if folder.exists():
+            raise SitesError(f"{folder} exists already: give --out a new folder")
+        folder.mkdir(parents=True)
+        say = _teller(stream, folder / "sites.log")
         try:
             net.create()
             measured = measure_link(net) if sites > 1 else None
@@ -677,7 +683,7 @@ def run_sites(
         finally:
             with _signals_held():
                 net.close()
-    return run.result(measured, folder, drop)
+        return run.result(measured, folder, drop)
 
 
 def _link_line(net: Sites, devices: int, measured: float | None) -> str:
@@ -768,6 +774,7 @@ class _Run:
         return SitesResult(
             run_id=self.net.run_id,
             codes=tuple(s.code if s.code is not None else 0 for s in self.sites),
+            ended=tuple(s.ended_at - self.start if s.ended_at is not None else self.wall_s for s in self.sites),
             code=TIMEOUT_CODE if self.timed_out else max(counted, default=0),
             measured_mbit_s=measured,
             out=out,
@@ -838,7 +845,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")  # one line: no usage block
+        self.exit(2, f"sites: error: {message}\n")  # one line, as the tool's other errors: no usage block
 
 
 def _rate_argument(text: str) -> int | None:

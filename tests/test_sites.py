@@ -8,6 +8,7 @@ that do not time anything share the cores.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -47,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = str(ROOT / "tests" / "sites_task.py")
 TIMEOUT_S = 150
 MIB = 1 << 20
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 START = re.compile(r"^start: world=(\d+) rank=(\d+) node=(\d+) restart=(\d+) time=([\d.]+)$", re.MULTILINE)
 LM_KEYS = [
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
@@ -274,15 +276,18 @@ def formed_after(result: SitesResult) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult]:
-    """2 allreduces of 2 MiB, unlimited; then the same at 20 mbit at the same time as a run whose site 1 exits 3
-    (the failing run mostly imports and waits out its grace; the one at 20 mbit waits on the link). The first
-    runs alone: how long its world took to form tells the drop tests how slow this machine is right now."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | dict]:
+    """First, alone, 2 allreduces of 2 MiB unlimited (how long its world takes to form tells the drop tests how
+    slow this machine is right now). Then, at once (they mostly import and wait): the same at 20 mbit (it waits
+    on the link), a run whose site 1 exits 3, and two runs of the tool as a process, sent SIGTERM and SIGINT.
+    The last three have torchrun sites, which start faster than `fabric run`'s."""
     allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
-    results = {"unlimited": run_task(base / "unlimited", *allreduces)}
+    results: dict[str, SitesResult | dict] = {"unlimited": run_task(base / "unlimited", *allreduces)}
+    failing = ["--fail-node", "1", "--code", "3"]
     jobs = {
         "limited": lambda: run_task(base / "limited", *allreduces, bandwidth="20mbit"),
-        "failing": lambda: run_task(base / "failing", "--fail-node", "1", "--code", "3"),
+        "failing": lambda: run_task(base / "failing", *failing, launcher="torchrun", max_restarts=0),
+        **{sig.name: functools.partial(signal_the_tool, base / sig.name, sig) for sig in SIGNALS},
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
@@ -319,23 +324,23 @@ def test_a_limited_link_takes_bytes_over_rate_and_an_unlimited_one_far_less(runs
 
 
 def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
-    """Site 1's script exits 3 once connected (`fabric run` itself exits 1; its report names the 3); site 0
+    """Site 1's script exits 3 once connected (its launcher itself exits 1; its report names the 3); site 0
     sleeps on, and is stopped FAILURE_GRACE_S later (SIGTERM, then SIGKILL after STOP_GRACE_S)."""
     result = runs["failing"]
     assert result.code == 3 and result.codes[1] == 3 and result.stopped == (0,), report(result)
-    assert result.wall_s - formed_after(result) < FAILURE_GRACE_S + STOP_GRACE_S + 5, report(result)
+    assert result.ended[0] - result.ended[1] < FAILURE_GRACE_S + STOP_GRACE_S + 1, report(result)
     assert leftovers(result.run_id) == []
 
 
 def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(runs, tmp_path):
     """`fabric run` worlds are static: site 0's next allreduce fails as soon as site 1's processes are gone, and
     the tool exits with its code. The drop comes well after the world formed (as slow as the first run's)."""
-    at = round(1.5 * formed_after(runs["unlimited"]) + 3)
+    at = round(1.25 * formed_after(runs["unlimited"]) + 3)
     result = run_task(tmp_path / "run", "--until", str(time.time() + 600), drop=Drop(1, at))
     assert starts(result.logs[0][0]) and starts(result.logs[0][0])[0]["time"] - result.started < at, report(result)
     assert at <= result.dropped_at < at + 1 and result.back_at is None, report(result)
     assert result.codes == (1, -9) and result.code == 1 and result.stopped == (), report(result)
-    assert result.wall_s - result.dropped_at < 10, report(result)
+    assert result.ended[0] - result.dropped_at < 8, report(result)
     assert f"sites: dropped site 1 at {result.dropped_at:.1f} s" in (result.out / "sites.log").read_text()
     assert leftovers(result.run_id) == []
 
@@ -343,21 +348,16 @@ def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(run
 # --- the tool itself, as a process: SIGTERM and Ctrl-C -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def signalled(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """Two runs of the tool as a process (torchrun sites, to start faster), each sent a signal once site 0's
-    worker runs; both at once. For each: exit code, seconds from the signal to the exit, stderr, run id."""
-    base = tmp_path_factory.mktemp("signalled")
-    procs = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        command = [
-            sys.executable, str(ROOT / "fabric_multimodel" / "sites.py"), "--sites", "2", "--devices", "1",
-            "--bandwidth", "100mbit", "--launcher", "torchrun", "--out", str(base / sig.name), "--timeout", "120",
-            "--", TASK, "--until", str(time.time() + 600),
-        ]  # fmt: skip
-        procs[sig] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with ThreadPoolExecutor(len(procs)) as pool:
-        return dict(zip(procs, pool.map(signal_when_started, procs.values(), procs)))
+def signal_the_tool(out: Path, sig: int) -> dict:
+    """Run the tool as a process (torchrun sites) and send it ``sig`` once site 0's worker runs: its exit code,
+    the seconds from the signal to its exit, its output and its run id."""
+    command = [
+        sys.executable, str(ROOT / "fabric_multimodel" / "sites.py"), "--sites", "2", "--devices", "1",
+        "--bandwidth", "100mbit", "--launcher", "torchrun", "--out", str(out), "--timeout", str(TIMEOUT_S),
+        "--", TASK, "--until", str(time.time() + 600),
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return signal_when_started(proc, sig)
 
 
 def signal_when_started(proc: subprocess.Popen, sig: int) -> dict:
@@ -370,9 +370,7 @@ def signal_when_started(proc: subprocess.Popen, sig: int) -> dict:
                 signalled_at = time.monotonic()
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        end_the_tool(proc)
     run_id = re.search(r"^sites: run (\w+):", "".join(lines), re.MULTILINE)
     return {
         "code": proc.returncode,
@@ -383,11 +381,25 @@ def signal_when_started(proc: subprocess.Popen, sig: int) -> dict:
     }
 
 
+def end_the_tool(proc: subprocess.Popen) -> None:
+    """If the tool still runs (a test failed), SIGTERM it, so that it removes what it made; SIGKILL is the last
+    resort."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize(
-    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+    ("sig", "code", "word"),
+    [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")],
+    ids=["SIGTERM", "SIGINT"],
 )
-def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(signalled, sig, code, word):
-    outcome = signalled[sig]
+def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(runs, sig, code, word):
+    outcome = runs[sig.name]
     assert outcome["run_id"] and outcome["seconds"] is not None, outcome
     assert outcome["code"] == code, outcome
     assert outcome["stderr"].strip().splitlines()[-1] == f"sites: {word}; every site stopped and the network removed"
@@ -410,31 +422,23 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
     }
     tool = [sys.executable, "-m", "fabric_multimodel.sites", "--sites", "2", "--devices", "1", "--bandwidth", "100mbit"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = {
-        name: subprocess.Popen(
-            [
-                *tool,
-                "--timeout",
-                str(TIMEOUT_S),
-                "--out",
-                str(base / f"{name}-sites"),
-                "--",
-                str(ROOT / script),
-                *args,
-                "--out",
-                str(base / name),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for name, (script, *args) in scripts.items()
-    }
+    procs = {}
+    for name, (script, *args) in scripts.items():
+        sites = [*tool, "--timeout", str(TIMEOUT_S), "--out", str(base / f"{name}-sites")]
+        command = [*sites, "--", str(ROOT / script), *args, "--out", str(base / name)]
+        procs[name] = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     with ThreadPoolExecutor(len(procs)) as pool:
-        outputs = dict(zip(procs, pool.map(lambda p: p.communicate(timeout=TIMEOUT_S + 30), procs.values())))
+        outputs = dict(zip(procs, pool.map(communicate, procs.values())))
     return {name: (procs[name].returncode, *outputs[name]) for name in procs}
+
+
+def communicate(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=TIMEOUT_S + 30)
+    finally:
+        end_the_tool(proc)
 
 
 @pytest.mark.parametrize(("name", "keys"), [("lm", LM_KEYS), ("gan", GAN_KEYS)])
@@ -472,9 +476,8 @@ def elastic(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFacto
 def test_torchrun_agents_rendezvous_across_the_sites_and_train(elastic):
     assert elastic.code == 0 and elastic.codes == (0, 0), report(elastic)
     first = [starts(out)[0] for out, _ in elastic.logs]
-    assert [s["world"] for s in first] == [2, 2] and all(
-        s["time"] - elastic.started < elastic.dropped_at for s in first
-    )
+    assert [s["world"] for s in first] == [2, 2], report(elastic)
+    assert all(s["time"] - elastic.started < elastic.dropped_at for s in first), report(elastic)
     assert "final: world=2" in elastic.logs[0][0].read_text()
 
 
