@@ -59,7 +59,8 @@ FRAME_BYTES = 1514  # an Ethernet frame of a 1500-byte MTU, as tbf counts it
 FAILURE_GRACE_S = 2.0  # after a site fails, how long the others may take to fail on their own
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 TIMEOUT_CODE = 124
-#: torchrun's rendezvous settings for the simulated network (see ``site_command``).
+#: torchrun's rendezvous settings for the simulated network (see ``site_command``): heartbeats every second
+#: (3 missed: the site is gone), 3 s of last call once a smaller world could form, instead of 5 s and 30 s.
 RDZV_CONF = {"join_timeout": 60, "last_call_timeout": 3, "close_timeout": 5, "keep_alive_interval": 1}
 RDZV_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 _STDOUT = threading.Lock()  # site 0's two output pumps and the tool's own lines take turns on stdout
@@ -306,6 +307,9 @@ def measure_link(sites: Sites, source: int = 0, destination: int = 1, seconds: f
     """
     address = sites.addresses[destination]
     with socket_in(sites.namespaces[destination]) as server, socket_in(sites.namespaces[source]) as client:
+        # A receive window of seconds at a slow rate: a busy machine that delays this thread must not idle the
+        # link (the default 128 kB window is 50 ms at 20 mbit). The kernel caps it at net.core.rmem_max.
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         server.bind((address, 0))
         server.listen(1)
         client.settimeout(seconds + 10)
@@ -437,8 +441,10 @@ def site_command(
 
     ``fabric``: node ``site`` of a static ``fabric run`` world whose main address is site 0's.
     ``torchrun``: an elastic agent (1..S nodes) of a c10d rendezvous that site 0's agent hosts; each agent
-    names its own address (the machine's hostname resolves to nothing inside a site), and the short
-    rendezvous timeouts of ``RDZV_CONF`` let a smaller world form 1 s after a site is lost.
+    names its own address (the machine's hostname resolves to nothing inside a site). With ``RDZV_CONF``, a
+    lost site's heartbeats are missed after 3 s and a smaller world forms 3 s later (the last call, which also
+    lets every site join the first world, however unevenly they start): on 2 busy cores the survivors' workers
+    ran again 8-9 s after a drop, and in the larger world 7-8 s after the site was back.
 
     Example::
 

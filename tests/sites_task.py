@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -27,6 +28,12 @@ import torch.distributed as dist
 
 TIMEOUT = timedelta(seconds=60)
 MIN_ROUNDS = 5
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks of a site share one output file, and print() writes the newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def join() -> None:
@@ -74,7 +81,7 @@ def main() -> None:
     join()
     world, rank, node = dist.get_world_size(), dist.get_rank(), int(os.environ["GROUP_RANK"])
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    print(f"start: world={world} rank={rank} node={node} restart={restart} time={time.time():.3f}", flush=True)
+    say(f"start: world={world} rank={rank} node={node} restart={restart} time={time.time():.3f}")
     if args.fail_node is not None:
         dist.barrier()
         if node == args.fail_node:
@@ -83,10 +90,10 @@ def main() -> None:
     if args.reps:
         seconds = timed_allreduces(args.bytes, args.reps)
         if rank == 0:
-            print(f"allreduce: world={world} bytes={args.bytes} reps={args.reps} seconds={seconds:.4f}", flush=True)
+            say(f"allreduce: world={world} bytes={args.bytes} reps={args.reps} seconds={seconds:.4f}")
     rounds = loop(args.until, args.world)
     if rank == 0:
-        print(f"final: world={world} rounds={rounds}", flush=True)
+        say(f"final: world={world} rounds={rounds}")
     dist.destroy_process_group()
 
 

@@ -1,9 +1,10 @@
 """fabric_multimodel.sites: simulated sites (network namespaces) joined by a rate-limited link, for real.
 
 Every test here makes real namespaces, veths, a bridge and tbf qdiscs (the module is skipped where the
-machine cannot: not root, no iproute2, a kernel without them). Each run of a script costs 10-20 s on
-2 cores (mostly imports), so the runs are module-scoped fixtures, several tests read one run, and runs
-that do not time anything share the cores.
+machine cannot: not root, no iproute2, a kernel without them), and checks that nothing of a run is left.
+A run costs 10-20 s of 2 cores (mostly imports), so the runs are module-scoped fixtures, several tests
+read one run, runs that time nothing share the cores, and the times at which sites are dropped scale
+with how long the first run took to start.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from fabric_multimodel.sites import (
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = str(ROOT / "tests" / "sites_task.py")
+# The command line, as `python -m fabric_multimodel.sites` runs it, but without importing the package (torch and
+# Lightning: seconds of CPU per start); sites.py needs only the standard library.
+TOOL = [sys.executable, str(ROOT / "fabric_multimodel" / "sites.py")]
 TIMEOUT_S = 150
 MIB = 1 << 20
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -277,21 +281,30 @@ def formed_after(result: SitesResult) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | dict]:
-    """First, alone, 2 allreduces of 2 MiB unlimited (how long its world takes to form tells the drop tests how
-    slow this machine is right now). Then, at once (they mostly import and wait): the same at 20 mbit (it waits
-    on the link), a run whose site 1 exits 3, and two runs of the tool as a process, sent SIGTERM and SIGINT.
-    The last three have torchrun sites, which start faster than `fabric run`'s."""
+    """Three rounds of runs, by what they need from the machine.
+
+    1. Alone: 2 allreduces of 2 MiB, unlimited. How long its world takes to form tells the runs that drop a
+       site how slow this machine is right now.
+    2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): the same
+       allreduces at 20 mbit (they wait on the link), a run whose site 1 exits 3, two runs of the tool as a
+       process, sent SIGTERM and SIGINT, and the allreduces between 2 processes of one site behind 1 mbit.
+    3. Alone: a run that loops until site 1 is dropped, well after its world formed.
+    """
     allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
     results: dict[str, SitesResult | dict] = {"unlimited": run_task(base / "unlimited", *allreduces)}
-    failing = ["--fail-node", "1", "--code", "3"]
+    failing, behind_1mbit = ["--fail-node", "1", "--code", "3"], {"bandwidth": "1mbit", "launcher": "torchrun"}
     jobs = {
         "limited": lambda: run_task(base / "limited", *allreduces, bandwidth="20mbit"),
         "failing": lambda: run_task(base / "failing", *failing, launcher="torchrun", max_restarts=0),
+        "single": lambda: run_task(base / "single", *allreduces, sites=1, devices=2, **behind_1mbit),
         **{sig.name: functools.partial(signal_the_tool, base / sig.name, sig) for sig in SIGNALS},
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {**results, **{name: future.result() for name, future in futures.items()}}
+        results.update({name: future.result() for name, future in futures.items()})
+    at = round(1.5 * formed_after(results["unlimited"]) + 3)
+    results["dropped"] = run_task(base / "dropped", "--until", str(time.time() + 600), drop=Drop(1, at))
+    return results
 
 
 def allreduce_seconds(result: SitesResult) -> float:
@@ -315,12 +328,23 @@ def test_a_limited_link_takes_bytes_over_rate_and_an_unlimited_one_far_less(runs
     """Gloo's allreduce of N bytes between 2 ranks sends N bytes each way (half in its reduce-scatter, half
     in its all-gather), so 2 allreduces of 2 MiB move 4 MiB each way: 1.68 s at 20 mbit."""
     limited, unlimited = runs["limited"], runs["unlimited"]
-    assert limited.code == 0, report(limited)
-    assert 18.0 < limited.measured_mbit_s < 20.0
+    assert limited.code == 0 and 18.0 < limited.measured_mbit_s < 20.0, report(limited)
     expected = 2 * 2 * MIB * 8 / 20e6
-    assert 0.7 * expected <= allreduce_seconds(limited) <= 2.5 * expected, allreduce_seconds(limited)
+    assert 0.7 * expected <= allreduce_seconds(limited) <= 2.5 * expected, report(limited)
     assert allreduce_seconds(unlimited) * 5 < allreduce_seconds(limited)
     assert leftovers(limited.run_id) == []
+
+
+def test_gloo_between_the_processes_of_one_site_is_not_limited(runs):
+    """4 MiB each way would take 34 s at 1 mbit; gloo binds to eth0's address, the site's own, which the kernel
+    routes over lo. One site: nothing to measure, and the line says so."""
+    result = runs["single"]
+    assert result.code == 0 and result.measured_mbit_s is None, report(result)
+    assert [s["world"] for s in starts(result.logs[0][0])] == [2, 2]
+    assert allreduce_seconds(result) < 1.0, report(result)
+    log = (result.out / "sites.log").read_text()
+    assert "1 x 2 processes, link 1mbit each way; one site: no link to measure" in log
+    assert leftovers(result.run_id) == []
 
 
 def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
@@ -332,11 +356,11 @@ def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
     assert leftovers(result.run_id) == []
 
 
-def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(runs, tmp_path):
+def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(runs):
     """`fabric run` worlds are static: site 0's next allreduce fails as soon as site 1's processes are gone, and
-    the tool exits with its code. The drop comes well after the world formed (as slow as the first run's)."""
-    at = round(1.25 * formed_after(runs["unlimited"]) + 3)
-    result = run_task(tmp_path / "run", "--until", str(time.time() + 600), drop=Drop(1, at))
+    the tool exits with its code."""
+    result = runs["dropped"]
+    at = result.drop.at
     assert starts(result.logs[0][0]) and starts(result.logs[0][0])[0]["time"] - result.started < at, report(result)
     assert at <= result.dropped_at < at + 1 and result.back_at is None, report(result)
     assert result.codes == (1, -9) and result.code == 1 and result.stopped == (), report(result)
@@ -352,9 +376,8 @@ def signal_the_tool(out: Path, sig: int) -> dict:
     """Run the tool as a process (torchrun sites) and send it ``sig`` once site 0's worker runs: its exit code,
     the seconds from the signal to its exit, its output and its run id."""
     command = [
-        sys.executable, str(ROOT / "fabric_multimodel" / "sites.py"), "--sites", "2", "--devices", "1",
-        "--bandwidth", "100mbit", "--launcher", "torchrun", "--out", str(out), "--timeout", str(TIMEOUT_S),
-        "--", TASK, "--until", str(time.time() + 600),
+        *TOOL, "--sites", "2", "--devices", "1", "--bandwidth", "100mbit", "--launcher", "torchrun",
+        "--out", str(out), "--timeout", str(TIMEOUT_S), "--", TASK, "--until", str(time.time() + 600),
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return signal_when_started(proc, sig)
@@ -411,49 +434,48 @@ def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(runs, sig
 
 
 @pytest.fixture(scope="module")
-def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
-    """examples/lm_fabric.py (DiLoCo) and examples/gan_fabric.py (local SGD), 6 steps each, both at once, each
-    by `python -m fabric_multimodel.sites` at 100 mbit: (exit code, stdout, stderr) by name."""
+def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str | None]]:
+    """examples/lm_fabric.py (DiLoCo) and examples/gan_fabric.py (local SGD), 6 steps each, at 100 mbit, both at
+    once: the LM by the command line (stdout: the tool's lines and site 0's output), the GAN by ``run_sites``
+    (site 0's stdout log). (exit code, output, errors, run id) by name."""
     base = tmp_path_factory.mktemp("examples")
     schedule = ["--steps", "6", "--period", "3", "--warmup-steps", "2", "--checkpoint-every", "0"]
-    scripts = {
-        "lm": ["examples/lm_fabric.py", *schedule, "--outer", "nesterov", "--log-every", "3", "--eval-batches", "1"],
-        "gan": ["examples/gan_fabric.py", *schedule],
-    }
-    tool = [sys.executable, "-m", "fabric_multimodel.sites", "--sites", "2", "--devices", "1", "--bandwidth", "100mbit"]
+    lm = [str(ROOT / "examples" / "lm_fabric.py"), *schedule, "--outer", "nesterov", "--log-every", "3"]
+    lm += ["--eval-batches", "1", "--out", str(base / "lm")]
+    gan = [*schedule, "--out", str(base / "gan")]
+    tool = [*TOOL, "--sites", "2", "--devices", "1", "--bandwidth", "100mbit", "--timeout", str(TIMEOUT_S)]
+    tool += ["--out", str(base / "lm-sites"), "--", *lm]
+    # The example imports fabric_multimodel: this checkout's, as the tests do.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = {}
-    for name, (script, *args) in scripts.items():
-        sites = [*tool, "--timeout", str(TIMEOUT_S), "--out", str(base / f"{name}-sites")]
-        command = [*sites, "--", str(ROOT / script), *args, "--out", str(base / name)]
-        procs[name] = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    with ThreadPoolExecutor(len(procs)) as pool:
-        outputs = dict(zip(procs, pool.map(communicate, procs.values())))
-    return {name: (procs[name].returncode, *outputs[name]) for name in procs}
-
-
-def communicate(proc: subprocess.Popen) -> tuple[str, str]:
+    proc = subprocess.Popen(tool, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        return proc.communicate(timeout=TIMEOUT_S + 30)
+        result = run_sites(
+            ROOT / "examples" / "gan_fabric.py", gan, sites=2, devices=1, bandwidth="100mbit",
+            out=base / "gan-sites", timeout=TIMEOUT_S, stream=False,
+        )  # fmt: skip
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S + 30)
     finally:
         end_the_tool(proc)
+    lm_run = re.match(r"sites: run (\w+):", stdout)
+    return {
+        "lm": (proc.returncode, stdout, stderr, lm_run[1] if lm_run else None),
+        "gan": (result.code, result.logs[0][0].read_text(), tail(*result.logs[0], *result.logs[1]), result.run_id),
+    }
 
 
 @pytest.mark.parametrize(("name", "keys"), [("lm", LM_KEYS), ("gan", GAN_KEYS)])
 def test_the_examples_train_across_two_sites(examples, name, keys):
     """Warm-up steps 1-2 synchronous, a round at step 5, and one on leaving the local steps at 6."""
-    code, stdout, stderr = examples[name]
+    code, stdout, stderr, run_id = examples[name]
     assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
-    assert stdout.startswith("sites: run ") and " 2 x 1 processes, link 100mbit each way, measured " in stdout
     final = parse_final_line(stdout, keys)
     assert int(final["steps"]) == 6 and int(final["rounds"]) == 2 and int(final["comm_bytes"]) > 0, final
     quality = float(final["val_loss"]) if name == "lm" else int(final["modes_captured"].split("/")[0])
     assert math.isfinite(quality) and quality >= 0, final
-    assert stdout.strip().splitlines()[-1].startswith("sites: exit 0 after ")
-    run_id = re.match(r"sites: run (\w+):", stdout)[1]
-    assert leftovers(run_id) == []
+    if name == "lm":  # the command line: its lines around site 0's output
+        assert stdout.startswith("sites: run ") and " 2 x 1 processes, link 100mbit each way, measured " in stdout
+        assert stdout.strip().splitlines()[-1].startswith("sites: exit 0 after ")
+    assert run_id and leftovers(run_id) == []
 
 
 # --- torchrun: elastic agents, a site lost and back ---------------------------------------------------------
@@ -467,7 +489,7 @@ def elastic(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFacto
     with how long the first run's world took to form (torchrun's start about half of `fabric run`'s)."""
     formed = formed_after(runs["unlimited"])
     at = round(max(8.0, 0.75 * formed + 3))
-    back = round(at + 8 + 0.5 * formed)
+    back = round(at + 9 + 0.25 * formed)  # a world of 1 forms ~8 s after the drop: heartbeats, last call, start
     until = time.time() + at + 4
     out = tmp_path_factory.mktemp("elastic") / "run"
     return run_task(out, "--until", str(until), "--world", "2", launcher="torchrun", drop=Drop(1, at, back))
