@@ -63,6 +63,7 @@ TIMEOUT_CODE = 124
 #: (3 missed: the site is gone), 3 s of last call once a smaller world could form, instead of 5 s and 30 s.
 RDZV_CONF = {"join_timeout": 60, "last_call_timeout": 3, "close_timeout": 5, "keep_alive_interval": 1}
 RDZV_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _STDOUT = threading.Lock()  # site 0's two output pumps and the tool's own lines take turns on stdout
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
 
@@ -843,9 +844,6 @@ def _signals_held() -> Iterator[None]:
         raise KeyboardInterrupt if received[0] == signal.SIGINT else Terminated
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 # --- the command line -------------------------------------------------------------------------------
 
 
@@ -865,26 +863,27 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     """The tool's options (before ``--``), and ``script`` and ``args`` (after it)."""
     p = _Parser(
         prog="python -m fabric_multimodel.sites",
-        description="Run a Fabric script as S simulated sites joined by a link of a given rate.",
+        usage="%(prog)s --sites S --devices D --bandwidth RATE [options] -- SCRIPT [ARGS ...]",
+        description="Run a Fabric script as S simulated sites (network namespaces) joined by links of a given rate.",
     )
     p.add_argument("--sites", type=int, required=True, help="sites (nodes), each in its own network namespace")
     p.add_argument("--devices", type=int, required=True, help="processes per site")
     p.add_argument("--bandwidth", type=_rate_argument, required=True, help=f"each link, each way: {RATE_FORMS}")
     p.add_argument("--out", type=Path, help="a new folder for the sites' logs (default: runs/sites/<run id>)")
-    p.add_argument("--launcher", choices=["fabric", "torchrun"], default="fabric", help="torchrun: elastic agents")
-    p.add_argument("--max-restarts", type=int, default=3, help="torchrun's worker group restarts")
+    p.add_argument(
+        "--launcher", choices=["fabric", "torchrun"], default="fabric", help="`fabric run` (default) or torchrun"
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun's worker group restarts (default 3)")
     p.add_argument("--drop-site", type=int, help="kill this site (1..S-1) --at seconds after the scripts started")
     p.add_argument("--at", type=float, help="when to drop the site, in seconds")
     p.add_argument("--back", type=float, help="when to start the dropped site again, in seconds")
-    p.add_argument("--port", type=int, default=29500, help="main (fabric) or rendezvous (torchrun) port on site 0")
+    p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")
     argv = list(argv)
-    if "--" not in argv:
-        p.error("give the script after --, as in: --sites 2 --devices 1 --bandwidth 10mbit -- train.py ARGS")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:split])
     if not argv[split + 1 :]:
-        p.error("no script after --")
+        p.error("give the script after --, as in: --sites 2 --devices 1 --bandwidth 10mbit -- train.py ARGS")
     args.script, args.args = argv[split + 1], argv[split + 2 :]
     if (args.at is not None or args.back is not None) and args.drop_site is None:
         p.error("--at and --back need --drop-site")

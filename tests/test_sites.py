@@ -287,23 +287,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | di
        site how slow this machine is right now.
     2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): the same
        allreduces at 20 mbit (they wait on the link), a run whose site 1 exits 3, two runs of the tool as a
-       process, sent SIGTERM and SIGINT, and the allreduces between 2 processes of one site behind 1 mbit.
+       process, sent SIGTERM and SIGINT, the allreduces between 2 processes of one site behind 1 mbit, and a
+       run that times out after 3 s.
     3. Alone: a run that loops until site 1 is dropped, well after its world formed.
     """
     allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
     results: dict[str, SitesResult | dict] = {"unlimited": run_task(base / "unlimited", *allreduces)}
     failing, behind_1mbit = ["--fail-node", "1", "--code", "3"], {"bandwidth": "1mbit", "launcher": "torchrun"}
+    forever = ["--until", str(time.time() + 600)]
     jobs = {
         "limited": lambda: run_task(base / "limited", *allreduces, bandwidth="20mbit"),
         "failing": lambda: run_task(base / "failing", *failing, launcher="torchrun", max_restarts=0),
         "single": lambda: run_task(base / "single", *allreduces, sites=1, devices=2, **behind_1mbit),
+        "timeout": lambda: run_task(base / "timeout", *forever, launcher="torchrun", timeout=3),
         **{sig.name: functools.partial(signal_the_tool, base / sig.name, sig) for sig in SIGNALS},
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         results.update({name: future.result() for name, future in futures.items()})
     at = round(1.5 * formed_after(results["unlimited"]) + 3)
-    results["dropped"] = run_task(base / "dropped", "--until", str(time.time() + 600), drop=Drop(1, at))
+    results["dropped"] = run_task(base / "dropped", *forever, drop=Drop(1, at))
     return results
 
 
@@ -353,6 +356,14 @@ def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
     result = runs["failing"]
     assert result.code == 3 and result.codes[1] == 3 and result.stopped == (0,), report(result)
     assert result.ended[0] - result.ended[1] < FAILURE_GRACE_S + STOP_GRACE_S + 1, report(result)
+    assert leftovers(result.run_id) == []
+
+
+def test_a_timeout_stops_everything_and_is_code_124(runs):
+    result = runs["timeout"]
+    assert result.timed_out and result.code == 124 and result.stopped == (0, 1), report(result)
+    assert 3 < result.wall_s < 3 + STOP_GRACE_S + 2, report(result)
+    assert "sites: timed out after 3 s; stopping every site" in (result.out / "sites.log").read_text()
     assert leftovers(result.run_id) == []
 
 
