@@ -283,20 +283,18 @@ def formed_after(result: SitesResult) -> float:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | dict]:
     """Three rounds of runs, by what they need from the machine.
 
-    1. Alone: 2 allreduces of 2 MiB, unlimited. How long its world takes to form tells the runs that drop a
+    1. Alone: 2 allreduces of 2 MiB, unlimited. How long its world takes to form tells the run that drops a
        site how slow this machine is right now.
-    2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): the same
-       allreduces at 20 mbit (they wait on the link), a run whose site 1 exits 3, two runs of the tool as a
-       process, sent SIGTERM and SIGINT, the allreduces between 2 processes of one site behind 1 mbit, and a
-       run that times out after 3 s.
-    3. Alone: a run that loops until site 1 is dropped, well after its world formed.
+    2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): a run whose
+       site 1 exits 3, two runs of the tool as a process, sent SIGTERM and SIGINT, the allreduces between
+       2 processes of one site behind 1 mbit, and a run that times out after 3 s.
+    3. Alone: the 2 allreduces at 20 mbit; then the task loops until site 1 is dropped, well after that.
     """
     allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
     results: dict[str, SitesResult | dict] = {"unlimited": run_task(base / "unlimited", *allreduces)}
     failing, behind_1mbit = ["--fail-node", "1", "--code", "3"], {"bandwidth": "1mbit", "launcher": "torchrun"}
     forever = ["--until", str(time.time() + 600)]
     jobs = {
-        "limited": lambda: run_task(base / "limited", *allreduces, bandwidth="20mbit"),
         "failing": lambda: run_task(base / "failing", *failing, launcher="torchrun", max_restarts=0),
         "single": lambda: run_task(base / "single", *allreduces, sites=1, devices=2, **behind_1mbit),
         "timeout": lambda: run_task(base / "timeout", *forever, launcher="torchrun", timeout=3),
@@ -305,8 +303,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | di
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
         results.update({name: future.result() for name, future in futures.items()})
-    at = round(1.5 * formed_after(results["unlimited"]) + 3)
-    results["dropped"] = run_task(base / "dropped", *forever, drop=Drop(1, at))
+    at = round(1.5 * formed_after(results["unlimited"]) + 6)  # the allreduces take 1.7 s on the link
+    results["limited"] = run_task(base / "limited", *allreduces, *forever, bandwidth="20mbit", drop=Drop(1, at))
     return results
 
 
@@ -331,11 +329,10 @@ def test_a_limited_link_takes_bytes_over_rate_and_an_unlimited_one_far_less(runs
     """Gloo's allreduce of N bytes between 2 ranks sends N bytes each way (half in its reduce-scatter, half
     in its all-gather), so 2 allreduces of 2 MiB move 4 MiB each way: 1.68 s at 20 mbit."""
     limited, unlimited = runs["limited"], runs["unlimited"]
-    assert limited.code == 0 and 18.0 < limited.measured_mbit_s < 20.0, report(limited)
+    assert 18.0 < limited.measured_mbit_s < 20.0, report(limited)
     expected = 2 * 2 * MIB * 8 / 20e6
     assert 0.7 * expected <= allreduce_seconds(limited) <= 2.5 * expected, report(limited)
     assert allreduce_seconds(unlimited) * 5 < allreduce_seconds(limited)
-    assert leftovers(limited.run_id) == []
 
 
 def test_gloo_between_the_processes_of_one_site_is_not_limited(runs):
@@ -369,8 +366,8 @@ def test_a_timeout_stops_everything_and_is_code_124(runs):
 
 def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(runs):
     """`fabric run` worlds are static: site 0's next allreduce fails as soon as site 1's processes are gone, and
-    the tool exits with its code."""
-    result = runs["dropped"]
+    the tool exits with its code (the run at 20 mbit, once its timed allreduces are done)."""
+    result = runs["limited"]
     at = result.drop.at
     assert starts(result.logs[0][0]) and starts(result.logs[0][0])[0]["time"] - result.started < at, report(result)
     assert at <= result.dropped_at < at + 1 and result.back_at is None, report(result)
