@@ -62,7 +62,10 @@ TIMEOUT_CODE = 124
 #: torchrun's rendezvous settings for the simulated network (see ``site_command``): heartbeats every second
 #: (3 missed: the site is gone), 3 s of last call once a smaller world could form, instead of 5 s and 30 s.
 RDZV_CONF = {"join_timeout": 60, "last_call_timeout": 3, "close_timeout": 5, "keep_alive_interval": 1}
-RDZV_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+#: A torch world's variables, which a launcher started from inside a world must not inherit.
+WORLD_ENV = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+)  # fmt: skip
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _STDOUT = threading.Lock()  # site 0's two output pumps and the tool's own lines take turns on stdout
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d+)", re.DOTALL)
@@ -478,11 +481,7 @@ def site_environment(run_id: str, launcher: str, extra: Mapping[str, str] | None
     For torchrun, agents do not share the rendezvous store with their workers: with sharing, an agent that
     joins a later round (a site back after a drop) waits for the workers' address forever, since rank 0 only
     publishes it in the first round."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("LT_", "TORCHELASTIC_")) and k not in RDZV_ENV and k != "NODE_RANK"
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LT_", "TORCHELASTIC_")) and k not in WORLD_ENV}
     env.update(GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1", FMM_SITES_RUN=run_id)
     if launcher == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
