@@ -433,8 +433,12 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> N
             if resumed is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
                 return
-            restart = f" (torchrun restart {restart_count()})" if restart_count() else ""
-            fabric.print(f"--resume auto: step {resumed.step} from {path}{restart}")
+            restart = f", torchrun restart {restart_count()}" if restart_count() else ""
+            # The clock time lets a benchmark tell how long a lost node kept the others from training.
+            fabric.print(
+                f"--resume auto: step {resumed.step} from {path} into {fabric.world_size} processes"
+                f" (unix time {time.time():.1f}{restart})"
+            )
             extra = resumed.extra
         else:
             extra = load_checkpoint(fabric, path, state, validate=same_settings)

@@ -460,6 +460,7 @@ def train(args: argparse.Namespace) -> int | None:
             progress(step, lambda loss=loss: {"loss": loss.item()}, scale=tokens_per_step)
             if step % args.log_every == 0 and step < args.steps:  # the last step is logged after the block
                 metrics = {"train_loss": loss.item(), "lr": learning_rate(step, args), "comm_bytes": sent()}
+                metrics["elapsed_s"] = time.perf_counter() - wall  # wall-clock to this point: time-to-target curves
                 if fabric.is_global_zero:  # rank 0's replica: no collective, the other ranks go on
                     metrics["val_loss"] = evaluate(model, eval_batches)
                     state["history"].append([step, sent(), metrics["val_loss"]])
@@ -476,7 +477,7 @@ def train(args: argparse.Namespace) -> int | None:
     if fabric.is_global_zero:
         val_loss = evaluate(model, eval_batches)
         state["history"].append([args.steps, sent(), val_loss])
-        metrics = {"val_loss": val_loss, "lr": learning_rate(args.steps, args), "comm_bytes": sent()}
+        metrics = {"val_loss": val_loss, "lr": learning_rate(args.steps, args), "comm_bytes": sent(), "elapsed_s": wall}
         fabric.log_dict(metrics | ({"train_loss": loss.item()} if loss is not None else {}), step=args.steps)
     save(args.steps, sync=False)  # leaving the block averaged already
     round_checkpoints = checkpointer.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import re
 import secrets
@@ -61,6 +62,11 @@ STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
 TIMEOUT_CODE = 124
 #: torchrun's rendezvous settings for the simulated network (see ``site_command``): heartbeats every second
 #: (3 missed: the site is gone), 3 s of last call once a smaller world could form, instead of 5 s and 30 s.
+#: `fabric run` of whichever Lightning package family is installed (the standalone one first, as families.py does).
+FABRIC_CLI = next(
+    (cli for cli in ("lightning_fabric.cli", "lightning.fabric.cli") if importlib.util.find_spec(cli.split(".")[0])),
+    "lightning_fabric.cli",
+)
 RDZV_CONF = {"join_timeout": 60, "last_call_timeout": 3, "close_timeout": 5, "keep_alive_interval": 1}
 #: A torch world's variables, which a launcher started from inside a world must not inherit.
 WORLD_ENV = (
@@ -458,7 +464,7 @@ def site_command(
     python = [*sites.exec_prefix(site), sys.executable]
     if launcher == "fabric":
         return [
-            *python, "-m", "lightning_fabric.cli", "--accelerator", "cpu", "--devices", str(devices),
+            *python, "-m", FABRIC_CLI, "--accelerator", "cpu", "--devices", str(devices),
             "--num-nodes", str(sites.count), "--node-rank", str(site), "--main-address", main,
             "--main-port", str(port), str(script), *args,
         ]  # fmt: skip
@@ -483,6 +489,9 @@ def site_environment(run_id: str, launcher: str, extra: Mapping[str, str] | None
     publishes it in the first round."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LT_", "TORCHELASTIC_")) and k not in WORLD_ENV}
     env.update(GLOO_SOCKET_IFNAME="eth0", PYTHONUNBUFFERED="1", FMM_SITES_RUN=run_id)
+    # The sites share this machine's cores. torchrun sets one OpenMP thread per process only when it starts
+    # several on a node; with one, an extra OpenMP thread per process spins and made steps up to 10x slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
     if launcher == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return {**env, **(extra or {})}
