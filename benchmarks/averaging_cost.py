@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for size in args.world_sizes:
         common.progress(f"starting a {size}-process gloo world ({repeats} repeats, {warmup} warm-up)")
-        rows += run_world(size, measure_on_device, list(MODELS), repeats, warmup, peers, accelerator=args.accelerator)[0]
+        world = run_world(size, measure_on_device, list(MODELS), repeats, warmup, peers, accelerator=args.accelerator)
+        rows += world[0]
     elapsed = common.elapsed()
 
     print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")

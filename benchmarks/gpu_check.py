@@ -33,7 +33,7 @@ Without a GPU (what CI runs, so that this script cannot rot; about a minute on 2
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check
 
 runs every step on CPU with tiny sizes and few steps: gloo in place of NCCL, one world of 2 that
-shares its device the way the GPU worlds do, two steps at a time.
+shares its device the way the GPU worlds do, three steps at a time.
 """
 
 from __future__ import annotations
@@ -912,7 +912,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="every step on CPU with tiny sizes (CI; no GPU needed)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds for all steps (default: 330; dry run: 600)")
     p.add_argument(
-        "--jobs", type=int, default=None, help="steps at a time (default: 1, the GPU's steps alone; dry run: 2)"
+        "--jobs", type=int, default=None, help="steps at a time (default: 1, the GPU's steps alone; dry run: 3)"
     )
     p.add_argument("--example-steps", type=int, default=None, help="steps of each example (default: 300; dry run: 12)")
     # One step's body, run by the script itself in a subprocess.
@@ -921,7 +921,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.budget_s = args.budget_s or (600.0 if args.dry_run else 330.0)
-    args.jobs = args.jobs or (2 if args.dry_run else 1)
+    args.jobs = args.jobs or (3 if args.dry_run else 1)
     return args
 
 
