@@ -18,6 +18,7 @@ Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 ten
 400 small tensors (~0.83M parameters). Usage::
 
     python benchmarks/averaging_cost.py [--quick] [--out DIR] [--world-sizes 2 4] [--repeats N] [--no-peers]
+        [--accelerator cuda]
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def build(model: str):
 
 def _params(modules) -> list:
     return [p for m in modules for p in m.parameters()]
+
+
+def measure_on_device(fabric, models: list[str], repeats: int, warmup: int, peers: bool) -> list[dict]:
+    """:func:`measure_world` with every tensor it makes on the world's device: the floor's and PyTorch's too."""
+    import torch
+
+    if fabric.device.type != "cpu":  # on CPU no default-device mode, which would slow every torch call
+        torch.set_default_device(fabric.device)
+    return measure_world(fabric, models, repeats, warmup, peers)
 
 
 def measure_world(fabric, models: list[str], repeats: int, warmup: int, peers: bool) -> list[dict]:
@@ -331,6 +341,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="also time torchft's DiLoCo round at 2 ranks, when installed (default: yes; quick: no)",
     )
+    p.add_argument(
+        "--accelerator",
+        default="cpu",
+        help="where the ranks' tensors live (default: cpu); cuda: every rank on the first GPU, over gloo",
+    )
     args = p.parse_args(argv)
     args.world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     repeats = args.repeats or (3 if args.quick else 60)
@@ -341,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for size in args.world_sizes:
         common.progress(f"starting a {size}-process gloo world ({repeats} repeats, {warmup} warm-up)")
-        rows += run_world(size, measure_world, list(MODELS), repeats, warmup, peers)[0]
+        world = run_world(size, measure_on_device, list(MODELS), repeats, warmup, peers, accelerator=args.accelerator)
+        rows += world[0]
     elapsed = common.elapsed()
 
     print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")

@@ -1,7 +1,8 @@
 """Starting, joining and ending process worlds: what scripts, tests and benchmarks share.
 
-- :func:`join_local_world` and :func:`run_world` make a CPU/gloo world of N processes on
-  127.0.0.1, each with a launched Fabric (tests, benchmarks, quick experiments).
+- :func:`join_local_world` and :func:`run_world` make a world of N processes on 127.0.0.1, each
+  with a launched Fabric (tests, benchmarks, quick experiments): CPU and gloo by default, or with
+  CUDA tensors (see :func:`join_local_world` for where each rank's tensors live).
 - :func:`shutdown` ends a process's part in a world so that the interpreter exits cleanly.
 - :func:`stop_process_tree` ends a launcher (``fabric run``) and every rank it started.
 - :func:`parse_final_line` reads the ``final: key=value ...`` line a launched script ends with.
@@ -38,24 +39,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_local_world(rank: int, size: int, port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Any:
-    """A launched CPU/gloo ``Fabric`` for rank ``rank`` of a ``size``-process world on 127.0.0.1:``port``.
+def join_local_world(
+    rank: int,
+    size: int,
+    port: int,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    *,
+    accelerator: str = "cpu",
+    backend: str = "gloo",
+    share_device: bool | None = None,
+) -> Any:
+    """A launched ``Fabric`` for rank ``rank`` of a ``size``-process world on 127.0.0.1:``port``.
 
     Call it in a process that was started externally (spawned); every rank calls it with the same
-    ``size`` and ``port``. A collective that hangs raises after ``timeout_s`` seconds. Each rank
-    uses one intra-op thread, since the ranks share the machine's cores.
+    ``size``, ``port`` and placement. A collective that hangs raises after ``timeout_s`` seconds.
+    Each rank uses one intra-op thread, since the ranks share the machine's cores.
+
+    ``accelerator`` and ``backend`` are Fabric's and torch.distributed's names (``"cpu"`` and
+    ``"gloo"`` by default). Where the ranks' tensors live:
+
+    - ``share_device=False`` (the default on CPU and with NCCL): rank ``r`` gets device ``r``, as
+      ``Fabric(devices=size)`` places them, so an accelerator needs ``size`` devices. NCCL requires
+      it: it refuses two ranks on one GPU ("Duplicate GPU detected", since NCCL 2.5).
+    - ``share_device=True`` (the default on an accelerator with any other backend): every rank uses
+      the first device, so 4 ranks can share one GPU over gloo. Fabric accepts at most as many
+      devices as the machine has and puts rank ``LOCAL_RANK`` on device ``LOCAL_RANK``, so each
+      rank is a node of one device to it: ``fabric.local_rank == 0`` and ``fabric.node_rank ==
+      rank`` everywhere (``global_rank`` and ``world_size`` are as usual).
 
     Example::
 
-        fabric = join_local_world(rank, 2, port)   # in each of two spawned processes
+        fabric = join_local_world(rank, 2, port)                       # in each of two spawned processes
+        fabric = join_local_world(rank, 4, port, accelerator="cuda")   # 4 ranks on one GPU, over gloo
     """
+    if share_device is None:
+        share_device = accelerator != "cpu" and backend != "nccl"
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(size),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
+        LOCAL_RANK="0" if share_device else str(rank),
+        NODE_RANK=str(rank) if share_device else "0",
     )
     import torch
 
@@ -65,9 +90,10 @@ def join_local_world(rank: int, size: int, port: int, timeout_s: float = COLLECT
     Fabric, DDPStrategy = package.Fabric, package.strategies.DDPStrategy
     torch.set_num_threads(1)
     fabric = Fabric(
-        accelerator="cpu",
-        devices=size,
-        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=timeout_s)),
+        accelerator=accelerator,
+        devices=1 if share_device else size,
+        num_nodes=size if share_device else 1,
+        strategy=DDPStrategy(process_group_backend=backend, timeout=timedelta(seconds=timeout_s)),
     )
     # LOCAL_RANK etc. are set, so Fabric sees externally created processes and only joins the group.
     fabric.launch()
@@ -98,9 +124,11 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: tuple, conn: Any) -> None:
+def _rank_main(
+    rank: int, size: int, port: int, placement: dict[str, Any], fn: Callable[..., Any], args: tuple, conn: Any
+) -> None:
     try:
-        fabric = join_local_world(rank, size, port)
+        fabric = join_local_world(rank, size, port, **placement)
         result = fn(fabric, *args)
         conn.send(("ok", result))
         del fabric
@@ -110,10 +138,20 @@ def _rank_main(rank: int, size: int, port: int, fn: Callable[..., Any], args: tu
         raise SystemExit(1) from None
 
 
-def run_world(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 3600.0) -> list[Any]:
-    """Run ``fn(fabric, *args)`` on every rank of a fresh ``size``-process gloo world on 127.0.0.1.
+def run_world(
+    size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 3600.0,
+    accelerator: str = "cpu",
+    backend: str = "gloo",
+    share_device: bool | None = None,
+) -> list[Any]:
+    """Run ``fn(fabric, *args)`` on every rank of a fresh ``size``-process world on 127.0.0.1 (CPU/gloo by default).
 
-    Each rank has a launched Fabric from :func:`join_local_world`. ``fn`` must be a module-level
+    Each rank has a launched Fabric from :func:`join_local_world`, which ``accelerator``, ``backend``
+    and ``share_device`` are passed to (``accelerator="cuda"``: every rank on the first GPU, over
+    gloo; with ``backend="nccl"`` one GPU per rank). ``fn`` must be a module-level
     function and its result picklable. Returns the ranks' results in rank order; raises with the
     failing ranks' tracebacks, or after ``timeout`` seconds (killing the processes it started).
 
@@ -123,13 +161,15 @@ def run_world(size: int, fn: Callable[..., Any], *args: Any, timeout: float = 36
             return fabric.all_reduce(torch.tensor(x), reduce_op="sum").item()
 
         assert run_world(2, total, 1.0) == [2.0, 2.0]
+        run_world(4, total, 1.0, accelerator="cuda")  # 4 ranks sharing one GPU
     """
     ctx = mp.get_context("spawn")
     port = free_port()
+    placement = {"accelerator": accelerator, "backend": backend, "share_device": share_device}
     conns, procs = [], []
     for rank in range(size):
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank_main, args=(rank, size, port, fn, args, child), daemon=True)
+        proc = ctx.Process(target=_rank_main, args=(rank, size, port, placement, fn, args, child), daemon=True)
         proc.start()
         child.close()
         conns.append(parent)

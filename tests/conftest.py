@@ -1,8 +1,17 @@
+"""Shared fixtures: the pool of gloo worlds, and the device of the tests that can run on any device.
+
+``--device cuda`` (default ``cpu``) runs the tests that take the ``device`` fixture with their tensors
+there; every such test is marked ``device``, so ``-m device`` selects them alone::
+
+    python -m pytest tests/test_quantized.py tests/test_flat.py -q -m device --device cuda
+"""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from tests.worlds import World
@@ -41,3 +50,32 @@ def worlds() -> Iterator[Worlds]:
     pool = Worlds()
     yield pool
     pool.close()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="where the tests that take the `device` fixture put their tensors, e.g. cuda (select them with -m device)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "device: the test takes the `device` fixture (its tensors live on --device)")
+    name = config.getoption("--device")
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError) as error:  # an unknown name, or a device this torch or machine lacks
+        raise pytest.UsageError(f"--device {name}: {error}") from None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.device)
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The ``--device`` as torch names the tensors made there (``cuda`` -> ``cuda:0``)."""
+    return torch.empty(0, device=request.config.getoption("--device")).device

@@ -5,6 +5,7 @@ promised structure and the orderings that do not depend on timing. Timing ratios
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fabric_multimodel.launch import parse_final_line
 from fabric_multimodel.rounds import Header
@@ -20,10 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT_TIMEOUT_S = 600  # quick modes take ~15-90 s on 2 cores; leave room for a busy CI machine
 
 
-def run_script(name: str, out: Path, *extra: str) -> str:
+def run_script(name: str, out: Path, *extra: str, mode: str = "--quick") -> str:
     env = {k: v for k, v in os.environ.items() if k != "BENCHMARKS_T0"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), "--quick", "--out", str(out), *extra],
+        [sys.executable, str(REPO / "benchmarks" / f"{name}.py"), mode, "--out", str(out), *extra],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -200,3 +202,48 @@ def test_averaging_period_quick(tmp_path):
     by_setting = {run["setting"]: run for run in runs}
     assert float(by_setting["sync"]["round_bytes"]) == 0 < float(by_setting["sync"]["ddp_bytes"])
     assert float(by_setting["no-comm"]["ddp_bytes"]) == 0 < float(by_setting["no-comm"]["round_bytes"])
+
+
+# --- gpu_check --------------------------------------------------------------------------------
+
+GPU_CHECK_STEPS = ["environment", "tests", "gloo", "nccl", "gan", "lm", "averaging-cost"]
+
+
+def test_gpu_check_dry_run_reports_every_step_ok(tmp_path):
+    stdout = run_script("gpu_check", tmp_path, mode="--dry-run")
+    report = tmp_path / "gpu_check.md"
+    assert str(report) in stdout
+    steps = markdown_tables(report.read_text())[0]
+    assert [row["step"] for row in steps] == GPU_CHECK_STEPS
+    assert all(row["status"] == "ok" for row in steps), steps
+    raw = {step["name"]: step for step in json.loads((tmp_path / "gpu_check.json").read_text())["steps"]}
+    assert list(raw) == GPU_CHECK_STEPS and all(step["status"] == "ok" for step in raw.values())
+    for name, ranks in (("gloo", 2), ("nccl", 1)):
+        (world,) = raw[name]["raw"]["worlds"]
+        assert world["size"] == ranks and world["placement_ok"]
+        assert all(probe["ok"] for probe in world["probes"]) and len(world["probes"]) == 10
+        rounds = {mode["name"]: mode for mode in world["modes"]}
+        assert len(rounds) == 9 and all(r["ok"] and r["in_sync"] and r["traffic_matches"] for r in rounds.values())
+        quantized = rounds["fp4-diloco-fragments2-ef"]["ops"]
+        assert (quantized["all_reduce"][0] == 0) and (quantized["all_to_all_single"][0] > 0) == (ranks > 1)
+    # The gloo world shares one device: every rank is a node of one device to Fabric.
+    assert "rank 1 on cpu (gloo; Fabric's local_rank 0, node_rank 1)" in report.read_text()
+    assert raw["gan"]["raw"]["steps"] == raw["lm"]["raw"]["steps"] == "12"
+    assert raw["averaging-cost"]["tables"][0].startswith("| model")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the script reports on a machine without a GPU")
+def test_gpu_check_without_a_gpu_reports_the_gpu_steps_missing_and_exits_1(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "BENCHMARKS_T0"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    steps = {row["step"]: row["status"] for row in markdown_tables((tmp_path / "gpu_check.md").read_text())[0]}
+    assert steps == {"environment": "ok", **{name: "missing" for name in GPU_CHECK_STEPS[1:]}}
+    assert "missing: a visible CUDA GPU" in proc.stdout

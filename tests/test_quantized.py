@@ -1,4 +1,8 @@
-"""The block-quantized mean (fabric_multimodel.quantized): the codes alone, then rounds in real gloo worlds."""
+"""The block-quantized mean (fabric_multimodel.quantized): the codes alone, then rounds in real gloo worlds.
+
+The tests of the codes alone and of one process take the ``device`` fixture: ``--device cuda`` runs them
+with CUDA tensors (``-m device`` selects them alone); the worlds are CPU/gloo.
+"""
 
 from __future__ import annotations
 
@@ -61,16 +65,16 @@ def e2m1_value(nibble: int) -> float:
     return -magnitude if sign else magnitude
 
 
-def test_e2m1_decoding_follows_the_ocp_layout_with_the_first_element_in_the_low_nibble():
-    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(256, 1)
-    codes = Quantized(every_byte.view(FLOAT4_E2M1), torch.ones(256, dtype=torch.bfloat16))
+def test_e2m1_decoding_follows_the_ocp_layout_with_the_first_element_in_the_low_nibble(device):
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(256, 1).to(device)
+    codes = Quantized(every_byte.view(FLOAT4_E2M1), torch.ones(256, dtype=torch.bfloat16, device=device))
     values = dequantize(codes, 512).view(256, 2)
-    expected = torch.tensor([[e2m1_value(b & 15), e2m1_value(b >> 4)] for b in range(256)])
+    expected = torch.tensor([[e2m1_value(b & 15), e2m1_value(b >> 4)] for b in range(256)], device=device)
     assert torch.equal(values, expected)
     assert codes.codes.dtype == FLOAT4_E2M1  # the bytes are usable as torch's packed fp4 dtype as they are
 
 
-def test_e2m1_encoding_matches_torchs_vendored_reference_ties_included():
+def test_e2m1_encoding_matches_torchs_vendored_reference_ties_included(device):
     mx = vendored_mx_reference()
     grid = torch.tensor([e2m1_value(n) for n in range(8)])
     midpoints = (grid[1:] + grid[:-1]) / 2
@@ -80,26 +84,28 @@ def test_e2m1_encoding_matches_torchs_vendored_reference_ties_included():
     values = torch.cat([values, torch.zeros(-values.numel() % 31)]).view(-1, 31)
     # 6.0 leads each block of 32, so its scale is exactly 1 and the codes are those of the values themselves.
     blocks = torch.cat([torch.full((values.shape[0], 1), 6.0), values.clamp(-6, 6)], dim=1).reshape(-1)
-    codes, scales = quantize(blocks, FLOAT4_E2M1, 32)
+    codes, scales = quantize(blocks.to(device), FLOAT4_E2M1, 32)
     assert torch.equal(scales, torch.ones_like(scales))
-    reference = mx._pack_uint4(mx._f32_to_floatx_unpacked(blocks, 2, 1)).view(-1, 16)
-    assert torch.equal(codes.view(torch.uint8), reference)
+    reference = mx._pack_uint4(mx._f32_to_floatx_unpacked(blocks, 2, 1)).view(-1, 16)  # computed on CPU
+    assert torch.equal(codes.view(torch.uint8).cpu(), reference)
 
 
 @pytest.mark.parametrize("code", [E4M3, E5M2], ids=str)
-def test_fp8_decoding_is_torchs_cast_of_every_byte(code):
-    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    values = dequantize(Quantized(every_byte.view(1, 256).view(code), torch.ones(1, dtype=torch.bfloat16)), 256)
-    cast = every_byte.view(code).float()
+def test_fp8_decoding_is_torchs_cast_of_every_byte(device, code):
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device)
+    scale = torch.ones(1, dtype=torch.bfloat16, device=device)
+    values = dequantize(Quantized(every_byte.view(1, 256).view(code), scale), 256)
+    cast = every_byte.view(code).float()  # torch's own cast, on the same device
     if code == E4M3:  # its NaN code decodes as 480: quantize writes it only into blocks with a NaN or Inf scale
         nan_codes = cast.isnan()
-        assert nan_codes.sum() == 2 and torch.equal(values[nan_codes].abs(), torch.tensor([480.0, 480.0]))
+        assert nan_codes.sum() == 2
+        assert torch.equal(values[nan_codes].abs(), torch.tensor([480.0, 480.0], device=device))
         values, cast = values[~nan_codes], cast[~nan_codes]
     assert torch.equal(bits(values), bits(cast))
 
 
 @pytest.mark.parametrize("code", CODE_DTYPES, ids=str)
-def test_representable_values_round_trip_exactly(code):
+def test_representable_values_round_trip_exactly(device, code):
     """Values on the code grid times a power of two, with the top code in every block: exact round trip."""
     g = torch.Generator().manual_seed(1)
     if code == FLOAT4_E2M1:
@@ -109,17 +115,17 @@ def test_representable_values_round_trip_exactly(code):
         grid = grid[grid.isfinite()]
     blocks = grid[torch.randint(grid.numel(), (40, 32), generator=g)]
     blocks[:, 0] = MAX_CODE[code]
-    x = (blocks * 2.0 ** torch.randint(-100, 100, (40, 1), generator=g).float()).reshape(-1)
+    x = (blocks * 2.0 ** torch.randint(-100, 100, (40, 1), generator=g).float()).reshape(-1).to(device)
     assert torch.equal(dequantize(quantize(x, code), x.numel()), x)
 
 
 @pytest.mark.parametrize("code", CODE_DTYPES, ids=str)
-def test_zeros_round_trip_to_zeros_and_a_nan_or_inf_spoils_its_own_block(code):
-    x = torch.zeros(5 * 32)
+def test_zeros_round_trip_to_zeros_and_a_nan_or_inf_spoils_its_own_block(device, code):
+    x = torch.zeros(5 * 32, device=device)
     assert torch.equal(dequantize(quantize(x, code), x.numel()), x)
     x = torch.randn(5 * 32, generator=torch.Generator().manual_seed(2))
     x[40], x[100] = math.nan, -math.inf  # blocks 1 and 3
-    finite = dequantize(quantize(x, code), x.numel()).view(5, 32).isfinite()
+    finite = dequantize(quantize(x.to(device), code), x.numel()).view(5, 32).isfinite().cpu()
     assert finite.all(1).tolist() == [True, False, True, False, True]
     assert not finite[1].any() and not finite[3].any()  # the whole block, through the scale
 
@@ -157,28 +163,28 @@ def make_payload(n: int, block: int, seed: int, rank: int, style: dict) -> torch
     seed=st.integers(0, 2**16),
     style=styles,
 )
-def test_one_quantization_is_within_its_bound_and_deterministic(n, code, block, seed, style):
+def test_one_quantization_is_within_its_bound_and_deterministic(device, n, code, block, seed, style):
     x = make_payload(n, block, seed, 0, style)
-    q = quantize(x, code, block)
-    again = quantize(x.clone(), code, block)
+    q = quantize(x.to(device), code, block)
+    again = quantize(x.to(device), code, block)
     assert torch.equal(bits(q.codes.view(torch.uint8)), bits(again.codes.view(torch.uint8)))
     assert torch.equal(bits(q.scales.float()), bits(again.scales.float()))
-    error = (dequantize(q, n).double() - x.double()).abs()
+    error = (dequantize(q, n).cpu().double() - x.double()).abs()
     bound = relative_error(code) * blockwise_amax(x.double(), block) * (1 + 1e-6)
     assert (error <= bound).all(), (error - bound).max()
 
 
-def test_quantize_and_the_constructor_refuse_bad_arguments_with_the_argument_and_the_fix():
-    x = torch.zeros(8)
+def test_quantize_and_the_constructor_refuse_bad_arguments_with_the_argument_and_the_fix(device):
+    x = torch.zeros(8, device=device)
     errors = errors_of(
         {
             "code dtype": lambda: quantize(x, torch.float16),
             "payload dtype": lambda: quantize(x.double(), E4M3),
             "block": lambda: quantize(x, E4M3, 0),
-            "odd fp4 block": lambda: QuantizedMean(8, FLOAT4_E2M1, "cpu", block_size=31),
-            "numel": lambda: QuantizedMean(0, E4M3, "cpu"),
-            "exact_numel": lambda: QuantizedMean(8, E4M3, "cpu", exact_numel=-1),
-            "block of the mean": lambda: QuantizedMean(8, E4M3, "cpu", block_size=-32),
+            "odd fp4 block": lambda: QuantizedMean(8, FLOAT4_E2M1, device, block_size=31),
+            "numel": lambda: QuantizedMean(0, E4M3, device),
+            "exact_numel": lambda: QuantizedMean(8, E4M3, device, exact_numel=-1),
+            "block of the mean": lambda: QuantizedMean(8, E4M3, device, block_size=-32),
             "scale dtype": lambda: quantize(x, E4M3, 32, torch.float16),
         }
     )
@@ -201,30 +207,30 @@ def test_quantize_and_the_constructor_refuse_bad_arguments_with_the_argument_and
 
 
 @pytest.mark.parametrize("code", CODE_DTYPES, ids=str)
-def test_without_a_process_group_a_round_quantizes_twice_and_sends_nothing(code):
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
-    exact = torch.arange(7.0)
-    mean = QuantizedMean(1000, code, "cpu", exact_numel=7, block_size=64)
+def test_without_a_process_group_a_round_quantizes_twice_and_sends_nothing(device, code):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(device)
+    exact = torch.arange(7.0, device=device)
+    mean = QuantizedMean(1000, code, device, exact_numel=7, block_size=64)
     payload = x.clone().view(10, 100)  # any contiguous shape
     mean.all_reduce_mean(payload, exact)
     twice = dequantize(quantize(dequantize(quantize(x, code, 64), 1000), code, 64), 1000)
     assert torch.equal(payload.view(-1), twice)
-    assert torch.equal(exact, torch.arange(7.0))  # the sum over one rank
+    assert torch.equal(exact, torch.arange(7.0, device=device))  # the sum over one rank
     assert mean.traffic.bytes == 0 and not mean.pending
 
 
-def test_misordered_phases_and_bad_round_arguments_are_clear_errors():
-    mean = QuantizedMean(100, E4M3, "cpu", exact_numel=3)
-    payload, exact = torch.zeros(100), torch.zeros(3)
+def test_misordered_phases_and_bad_round_arguments_are_clear_errors(device):
+    mean = QuantizedMean(100, E4M3, device, exact_numel=3)
+    payload, exact = torch.zeros(100, device=device), torch.zeros(3, device=device)
     errors = {}
     for case, call in {
         "exchange first": mean.exchange,
         "finish first": mean.finish,
         "payload dtype": lambda: mean.start(payload.bfloat16(), exact),
-        "payload size": lambda: mean.start(torch.zeros(99), exact),
-        "not contiguous": lambda: mean.start(torch.zeros(200)[::2], exact),
+        "payload size": lambda: mean.start(torch.zeros(99, device=device), exact),
+        "not contiguous": lambda: mean.start(torch.zeros(200, device=device)[::2], exact),
         "exact missing": lambda: mean.start(payload),
-        "exact size": lambda: mean.start(payload, torch.zeros(4)),
+        "exact size": lambda: mean.start(payload, torch.zeros(4, device=device)),
     }.items():
         with pytest.raises((TypeError, ValueError, RuntimeError)) as info:
             call()
