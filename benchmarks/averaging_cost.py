@@ -9,6 +9,8 @@ Methods, all on the same ranks, interleaved inside every repeat:
 - ``ours-bf16``: plain averaging with ``comm_dtype=torch.bfloat16`` (sends ``param - anchor`` at half the bytes).
 - ``ours-diloco``: DiLoCo, an outer Nesterov step (lr 0.7, momentum 0.9, ``foreach=True``) on fp32 pseudo-gradients.
 - ``ours-diloco-bf16``: the same with bf16 pseudo-gradients.
+- ``ours-diloco-fp8`` / ``ours-diloco-fp4``: the same with block-quantized fp8 / fp4 pseudo-gradients (an
+  all-to-all and an all-gather of uint8 codes; "bytes sent" is the all-to-all's input).
 - ``pytorch``: ``torch.distributed.algorithms.model_averaging.utils.average_parameters``.
 - ``per-tensor``: ``for p in params: dist.all_reduce(p.data); p.data.div_(world)`` (accelerate, torchft).
 - ``torchft`` / ``torchft-bucketized``: torchft 0.2.0's own ``DiLoCo`` round (``sync_every=1``, its
@@ -41,6 +43,8 @@ OURS = {  # method -> the Averager's options
     "ours-bf16": {"comm_dtype": "bfloat16"},
     "ours-diloco": {"outer_optimizer": "nesterov"},
     "ours-diloco-bf16": {"outer_optimizer": "nesterov", "comm_dtype": "bfloat16"},
+    "ours-diloco-fp8": {"outer_optimizer": "nesterov", "comm_dtype": "float8_e4m3fn"},
+    "ours-diloco-fp4": {"outer_optimizer": "nesterov", "comm_dtype": "float4_e2m1fn_x2"},
 }
 BASE_METHODS = ("floor", "floor+div", *OURS, "pytorch", "per-tensor")
 PEER_METHODS = ("torchft", "torchft-bucketized")
@@ -53,6 +57,8 @@ METHOD_LABELS = {
     "ours-bf16": "ours: plain averaging, bf16 payload",
     "ours-diloco": "ours: DiLoCo outer Nesterov step, fp32",
     "ours-diloco-bf16": "ours: DiLoCo outer Nesterov step, bf16",
+    "ours-diloco-fp8": "ours: DiLoCo, fp8 (e4m3) block-quantized payload",
+    "ours-diloco-fp4": "ours: DiLoCo, fp4 (e2m1) block-quantized payload",
     "pytorch": "PyTorch average_parameters",
     "per-tensor": "per-tensor allreduce",
     "torchft": "torchft 0.2.0 DiLoCo round",
@@ -193,6 +199,8 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
         dist.barrier()
         counted[method] = common.profile_call(calls[method])
         common.progress(f"{model} at {world} ranks: profiled one {method} round")
+    # What each of our rounds sent, as the Averager counts it (exact; the quantized ones are no allreduce).
+    sent = {method: a.traffic.bytes / max(1, a.rounds) for method, a in zip(OURS, averagers)}
     for averager in averagers:
         averager.__exit__(None, None, None)
     all_times = common.gather(times)
@@ -223,7 +231,7 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
                 "ratio_to_floor": med / floor_median,
                 "allreduce_calls": len(reductions),
                 "elements_allreduced": sum(n for n, _ in reductions),
-                "bytes_allreduced": sum(n * _dtype_bytes(dtypes) for n, dtypes in reductions),
+                "bytes_allreduced": sent.get(method, sum(n * _dtype_bytes(dtypes) for n, dtypes in reductions)),
                 "other_collectives": len(collectives) - len(reductions),
                 "extra_bytes": max(c[method]["peak_extra_bytes"] for c in all_counted),
                 "repeats": repeats,
@@ -254,6 +262,8 @@ SUMMARY = (
     "ours-bf16",
     "ours-diloco",
     "ours-diloco-bf16",
+    "ours-diloco-fp8",
+    "ours-diloco-fp4",
     "pytorch",
     "per-tensor",
     "torchft",
@@ -346,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         default="cpu",
         help="where the ranks' tensors live (default: cpu); cuda: every rank on the first GPU, over gloo",
     )
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models to time")
     args = p.parse_args(argv)
     args.world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     repeats = args.repeats or (3 if args.quick else 60)
@@ -356,7 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = []
     for size in args.world_sizes:
         common.progress(f"starting a {size}-process gloo world ({repeats} repeats, {warmup} warm-up)")
-        world = run_world(size, measure_on_device, list(MODELS), repeats, warmup, peers, accelerator=args.accelerator)
+        world = run_world(
+            size, measure_on_device, list(args.models), repeats, warmup, peers, accelerator=args.accelerator
+        )
         rows += world[0]
     elapsed = common.elapsed()
 
@@ -372,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     print(detail_table(rows))
     if peers and not HAS_TORCHFT:
         print("\ntorchft is not installed (pip install -e '.[peers]'): no torchft rows.")
-    for model in MODELS:
+    for model in args.models:
         first = next(r for r in rows if r["model"] == model)
         print(f"\n{MODEL_LABELS[model]}: {first['params']:,} parameters in {first['tensors']} tensors.", end="")
     print()

@@ -18,14 +18,20 @@ Tasks:
   ``fabric run``: synchronous DDP over the world, flat DiLoCo 128, islands DiLoCo 128, two-level 4/32,
   with the bytes per iteration that cross nodes and that stay inside them.
 
+``--sites S --bandwidth RATE...`` runs every setting instead as S simulated sites (network namespaces
+behind tbf-limited links, `fabric_multimodel.sites`, root) at each rate, and reports compute utilisation,
+bytes crossing sites, wall-clock to a target loss and a cost model beside each row (benchmarks/site_sweep.py).
+
 Usage::
 
     python benchmarks/averaging_period.py [--task ring|lm] [--quick] [--out DIR] [--seeds N] [--reuse]
+    python benchmarks/averaging_period.py --task lm --sites 2 --devices 2 --bandwidth none 1gbit 100mbit 10mbit
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -40,8 +46,12 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import (
+    common,  # noqa: E402
+    site_sweep,  # noqa: E402
+)
 from fabric_multimodel.launch import free_port, parse_final_line, stop_process_tree  # noqa: E402
+from fabric_multimodel.sites import parse_rate, run_sites  # noqa: E402
 
 NAME = "averaging_period"
 
@@ -454,6 +464,195 @@ def _plot_ring(plt: Any, rows: list[dict[str, Any]]) -> Any:
     return fig
 
 
+def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
+    """Every setting at every bandwidth across ``--sites`` simulated sites (see benchmarks/site_sweep.py)."""
+    if args.sites < 2 or args.layouts:
+        p.error("--sites needs at least 2 sites, and no --layouts (the islands rows are in the sweep)")
+    args.steps = args.steps or (16 if args.quick else task.steps)
+    warmup = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else task.warmup_steps)
+    args.devices = args.devices or (1 if args.quick else 2)  # per site
+    bandwidths = args.bandwidth or (["10mbit"] if args.quick else ["none", "1gbit", "100mbit", "10mbit"])
+    for bandwidth in bandwidths:
+        try:
+            parse_rate(bandwidth)
+        except ValueError as error:
+            p.error(f"--bandwidth {error}")
+    budget = args.run_budget or (120.0 if args.quick else 240.0)
+    seed = 0
+    name = f"{NAME}_{task.name}_sites"
+    runs_dir = args.out / f"{NAME}_runs" / name
+    settings = (
+        site_sweep.lm_site_settings(args.steps, warmup, args.quick)
+        if task is LM
+        else site_sweep.ring_site_settings(warmup)
+    )
+    info = common.machine_info()
+    floor = run_on_sites(task, site_sweep.floor_setting(args.steps), args, "none", seed, runs_dir, args.steps)
+    iter_s = floor["wall_s"] / args.steps  # the compute every other run is measured against
+    rows = [floor]
+    total = sum(not s.links or b in s.links for b in bandwidths for s in settings)
+    bar = common.Progress("runs", total, every_s=0)
+    for bandwidth in bandwidths:
+        nominal = parse_rate(bandwidth)
+        rate = nominal * site_sweep.TCP_PAYLOAD if nominal else None
+        for setting in settings:
+            if setting.links and bandwidth not in setting.links:
+                continue
+            period = _flag_value(setting.flags, "--period")
+            model = functools.partial(
+                site_sweep.predict_wall_s,
+                setting,
+                warmup=warmup,
+                period=period,
+                iter_s=iter_s,
+                sites=args.sites,
+                devices=args.devices,
+                parameter_bytes=task_parameter_bytes(task),
+            )
+            steps = args.steps
+            predicted = model(steps=steps, rate_bits=rate)
+            if predicted > budget:  # the guard: fewer steps, said in the row
+                steps = max(10, int(args.steps * budget / predicted) // 10 * 10)
+            try:
+                row = run_on_sites(task, setting, args, bandwidth, seed, runs_dir, steps)
+            except RuntimeError as error:
+                common.progress(f"FAILED {error}")
+                bar.advance(note=f"{bandwidth} {setting.key} failed")
+                continue
+            measured = row["measured_mbit_s"] * 1e6 if row["measured_mbit_s"] else None
+            row["model_wall_s"] = model(steps=steps, rate_bits=measured if nominal else None)
+            row["utilisation"] = site_sweep.utilisation(iter_s, steps, row["wall_s"])
+            row["shortened"] = steps < args.steps
+            rows.append(row)
+            bar.advance(note=f"{bandwidth} {setting.key}: {row['wall_s']:.1f} s, utilisation {row['utilisation']:.0%}")
+    report_sites(task, args, info, rows, bandwidths, warmup, name)
+
+
+def task_parameter_bytes(task: Task) -> int:
+    return site_sweep.LM_PARAMETER_BYTES if task is LM else site_sweep.RING_PARAMETER_BYTES
+
+
+def _flag_value(flags: Sequence[str], flag: str) -> int:
+    return int(flags[flags.index(flag) + 1]) if flag in flags else 0
+
+
+def run_on_sites(
+    task: Task, setting: Any, args: Any, bandwidth: str, seed: int, runs_dir: Path, steps: int
+) -> dict[str, Any]:
+    """One run of the example as ``--sites`` sites behind ``bandwidth`` (or reuse an identical finished one)."""
+    run_dir = runs_dir / f"{bandwidth}-{setting.key.replace('=', '').replace('/', '-')}_seed{seed}"
+    script_args = ["--steps", str(steps), "--seed", str(seed), "--out", str(run_dir / "run"), "--checkpoint-every", "0"]
+    script_args += ["--log-every", str(max(1, steps // 20)), *setting.flags, *args.example_args]
+    key = {"args": script_args, "sites": args.sites, "devices": args.devices, "bandwidth": bandwidth}
+    result_path = run_dir / "result.json"
+    if args.reuse and result_path.exists():
+        saved = json.loads(result_path.read_text())
+        if saved.get("key") == key:
+            return saved["row"]
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    result = run_sites(
+        task.example,
+        script_args,
+        sites=args.sites,
+        devices=args.devices,
+        bandwidth=bandwidth,
+        out=run_dir / "sites",
+        stream=False,
+        timeout=args.run_timeout,
+    )
+    stdout = result.logs[0][0].read_text()
+    try:
+        if result.code != 0:
+            raise RuntimeError(f"exit code {result.code}")
+        final = _numbers(parse_final_line(stdout, task.keys))
+    except (RuntimeError, ValueError) as error:
+        tail = "\n".join(result.logs[0][1].read_text().strip().splitlines()[-10:])
+        raise RuntimeError(f"{bandwidth} {setting.key}: {error}; logs in {run_dir}\n{tail}") from None
+    comm = _comm_line(stdout)
+    crossing = comm.get("round_bytes", 0.0) + (0.0 if setting.islands else comm.get("ddp_bytes", 0.0))
+    metrics = next((run_dir / "run").glob("logs/version_*/metrics.csv"), run_dir / "missing.csv")
+    row = {
+        "task": task.name,
+        "bandwidth": bandwidth,
+        "setting": setting.key,
+        "description": setting.label,
+        **final,
+        "crossing_bytes_per_iter": crossing / final["steps"],
+        "measured_mbit_s": result.measured_mbit_s,
+        "metrics": str(metrics),
+        "run_s": round(result.wall_s, 1),
+    }
+    common.write_json(result_path, {"key": key, "row": row})
+    return row
+
+
+def report_sites(
+    task: Task,
+    args: Any,
+    info: dict[str, Any],
+    rows: list[dict[str, Any]],
+    bandwidths: list[str],
+    warmup: int,
+    name: str,
+) -> None:
+    floor, runs = rows[0], rows[1:]
+    target = None
+    if task is LM:
+        sync = [r for r in runs if r["setting"] == "sync" and not r["shortened"]]
+        target = site_sweep.loss_at(Path(sync[0]["metrics"]), args.steps // 2) if sync else None
+    for row in runs:
+        reached = site_sweep.time_to_target(Path(row["metrics"]), target) if target is not None else None
+        row["time_to_target_s"] = reached if reached is not None else math.nan
+        row["model_error"] = row["model_wall_s"] / row["wall_s"] - 1 if row["wall_s"] else math.nan
+    print(f"# Averaging across {args.sites} simulated sites, task {task.name}{' (QUICK)' if args.quick else ''}\n")
+    print(common.machine_line(info, sites=args.sites, processes_per_site=args.devices, steps=args.steps))
+    print(
+        f"\n{task.example.relative_to(common.REPO)} as {args.sites} sites of {args.devices} processes (network"
+        " namespaces joined by tbf-limited links, `fabric_multimodel.sites`); warm-up"
+        f" {warmup}. Utilisation: the no-communication run's {floor['wall_s'] / args.steps * 1e3:.1f} ms per"
+        " iteration times the steps, over the run's wall-clock. Crossing bytes: per rank and iteration, the"
+        " collectives over groups that span sites."
+        + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
+        + " Model: the cost model's wall-clock (benchmarks/site_sweep.py) from the measured link rate.\n"
+    )
+    headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "crossing B/iter"]
+    headers += ["val loss", "to target s"] if task is LM else ["modes", "high quality"]
+    headers += ["model wall s (error)"]
+    table = []
+    for r in runs:
+        line = [
+            f"{r['bandwidth']} ({r['measured_mbit_s']:.0f} Mbit/s)" if r["measured_mbit_s"] else r["bandwidth"],
+            r["description"],
+            f"{r['steps']:g}" + (" (shortened)" if r["shortened"] else ""),
+            f"{r['wall_s']:.1f}",
+            f"{r['iter_ms_mean']:.1f}",
+            f"{100 * r['utilisation']:.0f}%",
+            f"{r['crossing_bytes_per_iter']:,.0f}",
+        ]
+        if task is LM:
+            reached = r["time_to_target_s"]
+            line += [f"{r['val_loss']:.4f}", f"{reached:.1f}" if reached == reached else "not reached"]
+        else:
+            line += [f"{r['modes_captured']:g}/{r['modes_captured_of']:g}", f"{r['high_quality']:.3f}"]
+        line.append(f"{r['model_wall_s']:.1f} ({100 * r['model_error']:+.0f}%)")
+        table.append(line)
+    print(common.markdown_table(headers, table))
+    csv_path = common.write_csv(args.out / f"{name}.csv", runs)
+    common.write_json(args.out / f"{name}.json", {"machine": info, "args": vars(args), "rows": rows, "target": target})
+    plt = common.pyplot() if task is LM else None
+    if plt is not None:
+        curves = {
+            bandwidth: {
+                r["description"]: site_sweep.read_curve(Path(r["metrics"])) for r in runs if r["bandwidth"] == bandwidth
+            }
+            for bandwidth in bandwidths
+        }
+        png = site_sweep.plot_curves(plt, args.out / f"{name}.png", curves, target)
+        common.progress(f"wrote {csv_path} and {png}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     common.start_clock()
     p = common.parser(NAME, __doc__.splitlines()[0])
@@ -479,9 +678,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=None, help="processes per run (default: 4; quick: 2)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run is abandoned")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs with identical commands (resume a sweep)")
+    p.add_argument(
+        "--sites",
+        type=int,
+        default=0,
+        help="run every setting across this many simulated sites (root; see --bandwidth)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        nargs="+",
+        default=None,
+        help="with --sites: the link rates to sweep (default: none 1gbit 100mbit 10mbit; quick: 10mbit)",
+    )
+    p.add_argument(
+        "--run-budget", type=float, default=None, help="with --sites: seconds a run may take before it is shortened"
+    )
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--` (e.g. -- --batch-size 32)")
     args = p.parse_args(argv)
     task = TASKS[args.task]
+    if args.sites:
+        sweep_sites(task, args, p)
+        return
     args.steps = args.steps or (task.quick_steps if args.quick else task.steps)
     if args.warmup_steps is None:
         args.warmup_steps = 10 if args.quick and task is RING else task.warmup_steps

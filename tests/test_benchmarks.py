@@ -247,3 +247,21 @@ def test_gpu_check_without_a_gpu_reports_the_gpu_steps_missing_and_exits_1(tmp_p
     steps = {row["step"]: row["status"] for row in markdown_tables((tmp_path / "gpu_check.md").read_text())[0]}
     assert steps == {"environment": "ok", **{name: "missing" for name in GPU_CHECK_STEPS[1:]}}
     assert "missing: a visible CUDA GPU" in proc.stdout
+
+
+def test_averaging_period_across_sites_quick(tmp_path):
+    """Two simulated sites behind 10 mbit (real namespaces): synchronous DDP and streaming fp8 DiLoCo beside the
+    no-communication floor, with utilisation, crossing bytes, time to target and the cost model."""
+    stdout = run_script("averaging_period", tmp_path, "--task", "lm", "--sites", "2")
+    (table,) = markdown_tables(stdout)
+    rows = {row["setting"]: row for row in read_csv(tmp_path / "averaging_period_lm_sites.csv")}
+    assert set(rows) == {"sync", "streaming=4-fp8"}
+    sync, streaming = rows["sync"], rows["streaming=4-fp8"]
+    # Synchronous DDP sends every step's gradients across the link; streaming fp8 rounds a sliver of that.
+    assert float(sync["crossing_bytes_per_iter"]) > 10 * float(streaming["crossing_bytes_per_iter"]) > 0
+    assert float(sync["utilisation"]) < float(streaming["utilisation"])
+    assert float(sync["wall_s"]) > 2 * float(streaming["wall_s"])  # 10 mbit: the link is what limits sync
+    for row in rows.values():
+        assert float(row["model_wall_s"]) > 0 and row["bandwidth"] == "10mbit"
+    assert (tmp_path / "averaging_period_lm_sites.png").is_file()
+    assert len(table) == 2 and table[0]["link"].startswith("10mbit")

@@ -1,0 +1,150 @@
+"""What losing a site costs: the LM example under torchrun's elastic agent, 2 simulated sites, one dropped mid-run.
+
+Two runs of ``examples/lm_fabric.py`` (DiLoCo, ``--checkpoint-rounds --resume auto``) as 2 sites of
+``--devices`` processes behind a ``--bandwidth`` link (``fabric_multimodel.sites --launcher torchrun``):
+one uninterrupted, and one in which site 1 is killed (SIGKILL to its agent and workers) ``--at`` seconds
+in and, with ``--back``, started again later. Reported: the time from the kill to the survivors' failed
+round (the agent's log), from there to training again (the example's ``--resume auto`` line: rendezvous,
+worker start, checkpoint load), the steps lost (the failed round's step minus the resumed one), when the
+site rejoined, and the final validation losses side by side.
+
+Usage::
+
+    python benchmarks/elastic.py [--quick] [--out DIR] [--bandwidth 100mbit] [--at 40] [--back 80]
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+from fabric_multimodel.launch import parse_final_line  # noqa: E402
+from fabric_multimodel.sites import Drop, run_sites  # noqa: E402
+
+NAME = "elastic"
+KEYS = (
+    "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
+    "rounds",
+)  # fmt: skip
+RESUMED = re.compile(r"--resume auto: step (\d+) from \S+ into (\d+) processes \(unix time ([\d.]+)")
+FAILED_ROUND = re.compile(r"averaging round \d+ at step (\d+)(?: \(fragment \d+ of \d+\))? failed")
+# torch elastic's log prefix, e.g. "E1201 22:28:35.218000 18922 .../api.py:1002] failed (exitcode: 1)"
+AGENT_FAILED = re.compile(r"^[EW](\d{4} \d\d:\d\d:\d\d\.\d+) \d+ .*failed \(exitcode")
+
+
+def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
+    folder = args.out / f"{NAME}_runs" / label
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    script = [
+        "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "20", "--outer", "nesterov",
+        "--checkpoint-rounds", "--resume", "auto", "--checkpoint-every", "0", "--timeout", "60",
+        "--out", str(folder / "run"), *args.example_args,
+    ]  # fmt: skip
+    result = run_sites(
+        common.REPO / "examples" / "lm_fabric.py",
+        script,
+        sites=2,
+        devices=args.devices,
+        bandwidth=args.bandwidth,
+        out=folder / "sites",
+        launcher="torchrun",
+        drop=drop,
+        stream=False,
+        timeout=args.run_timeout,
+    )
+    out, err = (path.read_text() for path in result.logs[0])
+    row: dict[str, Any] = {"run": label, "code": result.code, "wall_s": result.wall_s}
+    if result.code == 0:
+        row.update({k: float(v) for k, v in parse_final_line(out, KEYS).items()})
+    resumes = [(int(s), int(w), float(t)) for s, w, t in RESUMED.findall(out)]
+    row["resumes"] = resumes
+    if drop is not None and result.dropped_at is not None:
+        killed = result.started + result.dropped_at
+        failures = [_agent_time(m.group(1), killed) for line in err.splitlines() if (m := AGENT_FAILED.match(line))]
+        detected = next((t for t in failures if t >= killed), None)
+        again = next(((s, w, t) for s, w, t in resumes if t > killed and w == args.devices), None)
+        failed_at = [int(s) for s in FAILED_ROUND.findall(out + err)]
+        row.update(
+            killed_after_s=result.dropped_at,
+            detect_s=detected - killed if detected else None,
+            restart_s=again[2] - detected if again and detected else None,
+            kill_to_training_s=again[2] - killed if again else None,
+            resumed_step=again[0] if again else None,
+            failed_step=failed_at[0] if failed_at else None,
+        )
+        if again and failed_at:
+            row["steps_lost"] = failed_at[0] - again[0]
+        grown = next(((s, w, t) for s, w, t in resumes if t > killed and w == 2 * args.devices), None)
+        if grown and result.back_at is not None:
+            row["back_to_training_s"] = grown[2] - (result.started + result.back_at)
+    return row
+
+
+def _agent_time(stamp: str, near: float) -> float:
+    """A torch elastic log time ("MMDD HH:MM:SS.ffffff", local time, no year) as unix time, in ``near``'s year."""
+    year = datetime.fromtimestamp(near).year
+    return datetime.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S.%f").timestamp()
+
+
+def main(argv: list[str] | None = None) -> None:
+    common.start_clock()
+    p = common.parser(NAME, __doc__.splitlines()[0])
+    p.add_argument("--bandwidth", default="100mbit", help="the link between the sites")
+    p.add_argument("--devices", type=int, default=None, help="processes per site (default 2; quick 1)")
+    p.add_argument("--steps", type=int, default=None, help="LM steps (default 2000; quick 600)")
+    p.add_argument("--period", type=int, default=32, help="DiLoCo period")
+    p.add_argument("--at", type=float, default=None, help="seconds after the start to kill site 1 (default 45)")
+    p.add_argument("--back", type=float, default=None, help="seconds after the start to bring it back (default 80)")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run is abandoned")
+    p.add_argument("example_args", nargs="*", help="more flags for the example, after `--`")
+    args = p.parse_args(argv)
+    args.devices = args.devices or (1 if args.quick else 2)
+    args.steps = args.steps or (600 if args.quick else 2000)
+    at = args.at or (25.0 if args.quick else 45.0)
+    back = args.back if args.back is not None else (45.0 if args.quick else 80.0)
+    info = common.machine_info()
+    rows = [run(args, "uninterrupted", None)]
+    common.progress(f"uninterrupted: {rows[0]['wall_s']:.0f} s")
+    rows.append(run(args, "site-1-dropped", Drop(site=1, at=at, back=back or None)))
+    common.progress(f"dropped: {rows[1]['wall_s']:.0f} s")
+    whole, dropped = rows
+    print(f"# Losing a site under torchrun's elastic agent{' (QUICK)' if args.quick else ''}\n")
+    print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=args.devices, steps=args.steps))
+    print(
+        f"\nexamples/lm_fabric.py, DiLoCo period {args.period}, 2 sites x {args.devices} processes behind"
+        f" {args.bandwidth}; site 1 killed at {at:.0f} s" + (f", back at {back:.0f} s" if back else "") + ".\n"
+    )
+
+    def cell(value: Any, fmt: str = "{:.1f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    table = [
+        ["exit codes (site 0)", whole["code"], dropped["code"]],
+        ["steps finished", cell(whole.get("steps"), "{:g}"), cell(dropped.get("steps"), "{:g}")],
+        ["final validation loss", cell(whole.get("val_loss"), "{:.4f}"), cell(dropped.get("val_loss"), "{:.4f}")],
+        ["wall-clock s (the tool's)", cell(whole["wall_s"]), cell(dropped["wall_s"])],
+        ["kill -> survivors' round fails, s", "-", cell(dropped.get("detect_s"))],
+        ["failed round -> training again, s", "-", cell(dropped.get("restart_s"))],
+        ["kill -> training again, s", "-", cell(dropped.get("kill_to_training_s"))],
+        ["steps lost (failed round - resumed)", "-", cell(dropped.get("steps_lost"), "{:g}")],
+        ["site back -> training with both, s", "-", cell(dropped.get("back_to_training_s"))],
+    ]
+    if whole.get("val_loss") and dropped.get("val_loss"):
+        table.append(["loss vs uninterrupted", "-", f"{100 * (dropped['val_loss'] / whole['val_loss'] - 1):+.2f}%"])
+    print(common.markdown_table(["", "uninterrupted", "site 1 dropped"], table))
+    print(f"\nresumes (step, processes): {[(s, w) for s, w, _ in dropped['resumes']]}")
+    common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""The averaging sweep across simulated sites: each run under ``fabric_multimodel.sites`` behind a link of a
+given rate, and what it costs and buys there: compute utilisation, wall-clock to a target loss, a cost model.
+
+``benchmarks/averaging_period.py --sites S --bandwidth none 100mbit 10mbit`` uses this module: every setting
+runs at every bandwidth as S sites of ``--devices`` processes each, one network namespace per site (root).
+
+- **Compute utilisation**: the no-communication run's wall-clock for the same steps (its mean iteration
+  time times the steps) over this run's wall-clock, warm-up and rounds included.
+- **Wall-clock to target**: the first logged validation loss at or below the target (the synchronous run's
+  loss at half its steps, unlimited link), read from the run's ``metrics.csv``; ``not reached`` is an answer.
+- **Cost model**: ``steps * t + sync_steps * G * f / R + rounds * max(0, P * f / R - hidden * t)``, where
+  ``t`` is the no-communication iteration time, ``G`` a synchronous step's gradient bytes per rank, ``P``
+  a round's bytes per rank, ``R`` the measured link rate, ``hidden`` the steps a round overlaps with, and
+  ``f`` how many times each rank's bytes cross one direction of the link: ``2 (W - 1) / W`` for a ring
+  allreduce over all W ranks (one link crossing per direction), ``D`` for the islands layout (the D pairs
+  of ranks that average across sites share the link), and the same for a quantized round (all-to-all plus
+  all-gather move what a ring does).
+- **Runs-too-long guard**: a run the model predicts to exceed ``--run-budget`` seconds runs for fewer steps,
+  and its row says so.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+LM_PARAMETER_BYTES = 218_496 * 4  # examples/lm_fabric.py at its defaults, fp32
+RING_PARAMETER_BYTES = 34_179 * 4  # examples/gan_fabric.py's ring GAN, generator and discriminator
+TCP_PAYLOAD = 0.957  # of a tbf rate, what TCP carries (measured by the sites tool at 10 mbit-1 gbit)
+QUANTIZED_BYTES = {"float8_e4m3fn": 0.266, "float4_e2m1fn_x2": 0.141}  # of fp32, scales included (measured)
+
+
+class SiteSetting(NamedTuple):
+    key: str
+    label: str
+    flags: tuple[str, ...]
+    hidden: int = 0  # steps a round overlaps with
+    islands: bool = False
+    bytes_ratio: float = 1.0  # a round's bytes relative to the fp32 parameters
+    fragments: int = 1
+    links: tuple[str, ...] = ()  # the bandwidths it runs at (empty: all)
+
+
+def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
+    """The LM example's settings of the sweep (``--quick``: three, for CI)."""
+    diloco = ("--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+
+    def run(period: int, *extra: str) -> tuple[str, ...]:
+        return ("--period", str(period), "--warmup-steps", str(warmup), *diloco, *extra)
+
+    islands = ("--layout", "islands")
+    streaming = ("--fragments", "4", "--overlap-steps", "16")
+    if quick:
+        return [
+            SiteSetting("sync", "synchronous DDP", ("--period", "0")),
+            SiteSetting(
+                "streaming=4-fp8",
+                "islands, streaming DiLoCo 4 (F=2, overlap 1), fp8",
+                run(4, *islands, "--fragments", "2", "--overlap-steps", "1", "--comm-dtype", "float8_e4m3fn"),
+                hidden=1,
+                islands=True,
+                bytes_ratio=QUANTIZED_BYTES["float8_e4m3fn"],
+                fragments=2,
+            ),
+        ]
+    return [
+        SiteSetting("sync", "synchronous DDP", ("--period", "0")),
+        SiteSetting("diloco=128", "DiLoCo 128", run(128)),
+        SiteSetting("diloco=128-overlap=8", "DiLoCo 128, overlapped 8", run(128, "--overlap-steps", "8"), hidden=8),
+        SiteSetting("islands-diloco=128", "islands, DiLoCo 128", run(128, *islands), islands=True),
+        SiteSetting(
+            "streaming=128",
+            "islands, streaming DiLoCo 128 (F=4, overlap 16)",
+            run(128, *islands, *streaming),
+            hidden=16,
+            islands=True,
+            fragments=4,
+        ),
+        SiteSetting(
+            "streaming=128-bf16",
+            "islands, streaming DiLoCo 128, bf16",
+            run(128, *islands, *streaming, "--comm-dtype", "bfloat16"),
+            hidden=16,
+            islands=True,
+            bytes_ratio=0.5,
+            fragments=4,
+            links=("10mbit",),  # beside the low-bit rows, where the link is what limits
+        ),
+        SiteSetting(
+            "streaming=128-fp8",
+            "islands, streaming DiLoCo 128, fp8",
+            run(128, *islands, *streaming, "--comm-dtype", "float8_e4m3fn"),
+            hidden=16,
+            islands=True,
+            bytes_ratio=QUANTIZED_BYTES["float8_e4m3fn"],
+            fragments=4,
+        ),
+        SiteSetting(
+            "streaming=128-fp4",
+            "islands, streaming DiLoCo 128, fp4",
+            run(128, *islands, *streaming, "--comm-dtype", "float4_e2m1fn_x2"),
+            hidden=16,
+            islands=True,
+            bytes_ratio=QUANTIZED_BYTES["float4_e2m1fn_x2"],
+            fragments=4,
+        ),
+    ]
+
+
+def ring_site_settings(warmup: int) -> list[SiteSetting]:
+    """The ring GAN's settings of the sweep: synchronous DDP and local SGD at periods 8 and 32."""
+    return [
+        SiteSetting("sync", "synchronous DDP", ("--period", "0")),
+        *(
+            SiteSetting(f"period={p}", f"period {p}", ("--period", str(p), "--warmup-steps", str(warmup)))
+            for p in (8, 32)
+        ),
+    ]
+
+
+def floor_setting(steps: int) -> SiteSetting:
+    """No communication at all: one round at the very end (the compute the others are measured against)."""
+    return SiteSetting(
+        "no-comm", "no communication (1 round, at the end)", ("--period", str(steps), "--warmup-steps", "0")
+    )
+
+
+def crossing_factor(setting: SiteSetting, sites: int, devices: int, synchronous: bool) -> float:
+    """How many times each rank's bytes cross one direction of a site's link (see the module docstring)."""
+    world = sites * devices
+    if setting.islands and not synchronous:
+        return float(devices)
+    return 2 * (world - 1) / world
+
+
+def predict_wall_s(
+    setting: SiteSetting,
+    *,
+    steps: int,
+    warmup: int,
+    period: int,
+    iter_s: float,
+    rate_bits: float | None,
+    sites: int,
+    devices: int,
+    parameter_bytes: int = LM_PARAMETER_BYTES,
+) -> float:
+    """The cost model's wall-clock for a run of ``steps`` (``rate_bits`` None: an unlimited link)."""
+    if rate_bits is None:
+        return steps * iter_s
+    if not period:  # synchronous DDP: every step's gradients cross the link
+        sync_steps, rounds = steps, 0
+    else:
+        sync_steps = 0 if setting.islands else min(warmup, steps)
+        rounds = max(0, steps - warmup) // period * setting.fragments + setting.fragments  # and leaving
+    sync_s = sync_steps * parameter_bytes * crossing_factor(setting, sites, devices, True) * 8 / rate_bits
+    payload = parameter_bytes * setting.bytes_ratio / setting.fragments
+    transfer = payload * crossing_factor(setting, sites, devices, False) * 8 / rate_bits
+    stall = max(0.0, transfer - setting.hidden * iter_s)
+    return steps * iter_s + sync_s + rounds * stall
+
+
+def time_to_target(metrics_csv: Path, target: float) -> float | None:
+    """Seconds (the run's ``elapsed_s``) of the first logged validation loss at or below ``target``."""
+    for row in read_curve(metrics_csv):
+        if row[1] <= target:
+            return row[0]
+    return None
+
+
+def read_curve(metrics_csv: Path) -> list[tuple[float, float, int]]:
+    """(elapsed seconds, validation loss, step) for each logged validation of an LM run."""
+    if not metrics_csv.is_file():
+        return []
+    out = []
+    with metrics_csv.open() as f:
+        for row in csv.DictReader(f):
+            if row.get("val_loss") and row.get("elapsed_s"):
+                out.append((float(row["elapsed_s"]), float(row["val_loss"]), int(float(row["step"]))))
+    return sorted(out)
+
+
+def loss_at(metrics_csv: Path, step: int) -> float | None:
+    """The validation loss logged at ``step`` (None when that step was not logged)."""
+    return next((loss for _, loss, s in read_curve(metrics_csv) if s == step), None)
+
+
+def plot_curves(plt: Any, path: Path, curves: dict[str, dict[str, list]], target: float | None) -> Path:
+    """Validation loss against wall-clock seconds, one panel per bandwidth."""
+    bandwidths = list(curves)
+    fig, axes = plt.subplots(1, len(bandwidths), figsize=(5 * len(bandwidths), 4.2), sharey=True, squeeze=False)
+    for ax, bandwidth in zip(axes[0], bandwidths):
+        for label, points in curves[bandwidth].items():
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle=":", linewidth=1, label="target")
+        ax.set_title(f"link {bandwidth}")
+        ax.set_xlabel("wall-clock seconds (rank 0)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (nats per byte)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def utilisation(floor_iter_s: float, steps: int, wall_s: float) -> float:
+    return floor_iter_s * steps / wall_s if wall_s > 0 else math.nan
