@@ -200,7 +200,7 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
         counted[method] = common.profile_call(calls[method])
         common.progress(f"{model} at {world} ranks: profiled one {method} round")
     # What each of our rounds sent, as the Averager counts it (exact; the quantized ones are no allreduce).
-    sent = {method: a.traffic.bytes / max(1, a.rounds) for method, a in zip(OURS, averagers)}
+    sent = {method: a.traffic.bytes // max(1, a.rounds) for method, a in zip(OURS, averagers)}
     for averager in averagers:
         averager.__exit__(None, None, None)
     all_times = common.gather(times)

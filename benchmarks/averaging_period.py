@@ -131,8 +131,48 @@ def ring_settings(args: Any) -> list[Setting]:
     return out
 
 
+def lm_compare_settings(args: Any) -> list[Setting]:
+    """``--compare lowbit``: DiLoCo 128's payload in fp32, fp8 and fp4, with and without error feedback;
+    ``--compare streaming``: blocking DiLoCo 128 beside streaming (4 fragments, overlap 16), with each merge rule."""
+    w = args.warmup_steps
+    base = averaging(128, w, *DILOCO)
+    if args.compare == "lowbit":
+        out = [Setting("diloco=128", "DiLoCo 128, fp32", base, "fp32")]
+        for code, short in (("float8_e4m3fn", "fp8"), ("float4_e2m1fn_x2", "fp4")):
+            out.append(Setting(f"diloco=128-{short}", f"DiLoCo 128, {short}", (*base, "--comm-dtype", code), short))
+            out.append(
+                Setting(
+                    f"diloco=128-{short}-ef",
+                    f"DiLoCo 128, {short}, error feedback",
+                    (*base, "--comm-dtype", code, "--error-feedback"),
+                    f"{short}+ef",
+                )
+            )
+        return out
+    streaming = (*base, "--fragments", "4", "--overlap-steps", "16")
+    return [
+        Setting("diloco=128", "DiLoCo 128, blocking", base, "D128"),
+        Setting("diloco=128-overlap=8", "DiLoCo 128, overlapped 8", (*base, "--overlap-steps", "8"), "o8"),
+        Setting("streaming=128", "streaming DiLoCo 128 (F=4, overlap 16), global + local progress", streaming, "F4"),
+        Setting(
+            "streaming=128-mixing=0.5",
+            "streaming DiLoCo 128 (F=4, overlap 16), mixing 0.5",
+            (*streaming, "--mixing", "0.5"),
+            "F4 a.5",
+        ),
+        Setting(
+            "streaming=128-mixing=0",
+            "streaming DiLoCo 128 (F=4, overlap 16), mixing 0 (global only)",
+            (*streaming, "--mixing", "0"),
+            "F4 a0",
+        ),
+    ]
+
+
 def lm_settings(args: Any) -> list[Setting]:
     w, steps = args.warmup_steps, args.steps
+    if args.compare:
+        return lm_compare_settings(args)
     if args.layouts:
         return [
             Setting("nodes-sync", "synchronous DDP over the world", ("--period", "0"), "sync", nodes=2),
@@ -674,6 +714,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--overlap-steps", type=int, nargs="+", default=[1, 4], help="ring: overlap_steps of those rows")
     p.add_argument("--layouts", action="store_true", help="lm: the multi-node layouts (2 nodes x 2 processes)")
+    p.add_argument(
+        "--compare",
+        choices=["lowbit", "streaming"],
+        help="lm: compare payload formats, or streaming merges, at DiLoCo 128",
+    )
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: ring 3, lm 2; quick: 1)")
     p.add_argument("--devices", type=int, default=None, help="processes per run (default: 4; quick: 2)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run is abandoned")
@@ -712,6 +757,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     info = common.machine_info()
     settings = ring_settings(args) if task is RING else lm_settings(args)
     name = NAME if task is RING else f"{NAME}_{task.name}{'_layouts' if args.layouts else ''}"
+    name += f"_{args.compare}" if args.compare else ""
     runs_dir = args.out / f"{NAME}_runs" / name
 
     runs: list[dict[str, Any]] = []

@@ -75,7 +75,7 @@ SYNC_BUFFERS = next(
 )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(
         "gan_fabric.py", "Train a GAN on the 8-Gaussian ring with per-model DDP, frozen and (optionally) local SGD."
     )
@@ -93,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="initial weights (the same on every rank) and data")
     add_averaging_arguments(p, warmup_steps=500)
     add_run_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_arguments(p, args)
     if args.dataset == "digits" and importlib.util.find_spec("sklearn") is None:
         p.error("--dataset digits needs scikit-learn: pip install 'fabric-multimodel[digits]'")

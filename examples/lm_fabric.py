@@ -92,7 +92,7 @@ SAMPLE_BYTES = 80
 SAMPLE_TEMPERATURE = 0.7
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser("lm_fabric.py", "Train a small byte-level language model with DDP or local SGD / DiLoCo (the Averager).")
     p.add_argument(
         "--data",
@@ -118,7 +118,7 @@ def parse_args() -> argparse.Namespace:
     add_averaging_arguments(p, warmup_steps=200)
     p.add_argument("--eval-batches", type=int, default=8, help=f"held-out batches of {EVAL_BATCH_SIZE} sequences")
     add_run_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     check_arguments(p, args)
     for flag in ("context", "d_model", "layers", "heads", "eval_batches"):
         if getattr(args, flag) < 1:

@@ -96,7 +96,8 @@ def test_averaging_cost_quick(tmp_path):
     summary, memory, details = markdown_tables(stdout)
     assert len(summary) == len(memory) == 2  # 2 models x world size 2 (quick)
     ours = ("ours", "ours-nocheck", "ours-bf16", "ours-diloco", "ours-diloco-bf16")
-    methods = ("floor", "floor+div", *ours, "pytorch", "per-tensor")
+    quantized = {"ours-diloco-fp8": 0.27, "ours-diloco-fp4": 0.15}  # bytes of fp32's, at most
+    methods = ("floor", "floor+div", *ours, *quantized, "pytorch", "per-tensor")
     cases = {(row["model"], row["ranks"], row["method"]): row for row in details}
     assert set(cases) == {(m, "2", k) for m in ("dcgan", "mlp400") for k in methods}
     for row in details:
@@ -124,6 +125,12 @@ def test_averaging_cost_quick(tmp_path):
                 assert int(row["bytes_allreduced"]) == width * (n + header)
                 # Nothing proportional to the model is allocated in a round (buffers are made once).
                 assert int(row["extra_bytes"]) < 0.01 * 4 * n, (method, row["extra_bytes"])
+            for method, share in quantized.items():
+                row = by_case[(model, ranks, method)]
+                # No allreduce: an all-to-all and an all-gather of uint8 codes, a quarter or a seventh of the bytes.
+                assert int(row["allreduce_calls"]) == 0 and 0 < int(row["bytes_allreduced"]) <= share * 4 * n
+                # Only gloo's all-gather allocates (a temporary of its output, the codes' size).
+                assert int(row["extra_bytes"]) <= 1.1 * int(row["bytes_allreduced"]), (method, row["extra_bytes"])
             assert int(floor["allreduce_calls"]) == 1
             assert int(per_tensor["allreduce_calls"]) == int(floor["tensors"])
             # PyTorch concatenates a copy of the whole model.

@@ -37,6 +37,19 @@ HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
 PLOT_HINT = "pip install 'fabric-multimodel[plot]'"
 
 
+@pytest.fixture(scope="module")
+def example():
+    """examples/gan_fabric.py as a module (its folder on the path, as when it runs as a script)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        spec = importlib.util.spec_from_file_location("gan_fabric", ROOT / SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
 class Run(NamedTuple):
     out: Path
     stdout: str
@@ -239,13 +252,19 @@ def test_single_process_communicates_nothing(tmp_path: Path) -> None:
         (["--steps", "many"], "'many'"),  # argparse's own errors are one line too
     ],
 )
-def test_bad_flags_exit_with_one_line(flags: list[str], mentions: str, tmp_path: Path) -> None:
-    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), *flags])
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and mentions in lines[0], proc.stderr
+def test_bad_flags_exit_with_one_line(flags: list[str], mentions: str, tmp_path: Path, example, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:  # in this process: the script's own parse_args
+        example.parse_args(["--out", str(tmp_path), *flags])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and mentions in lines[0], lines
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_bad_flag_stops_the_real_script_with_one_line(tmp_path: Path) -> None:
+    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--period", "-1"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["gan_fabric.py: error: --period must be >= 0, got -1"]
 
 
 def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
@@ -348,37 +367,30 @@ def damaged(checkpoint: Path, folder: Path) -> dict[str, Path]:
         ("text", "not a complete PyTorch checkpoint"),
     ],
 )
-def test_bad_resume_files_fail_with_one_line_naming_the_file(sync_run: Run, tmp_path: Path, kind, reason) -> None:
+def test_bad_resume_files_fail_with_one_line_naming_the_file(
+    sync_run: Run, tmp_path: Path, kind, reason, example, capsys
+) -> None:
     path = damaged(sync_run.out / "checkpoint.pt", tmp_path)[kind]
-    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path / "out"), "--steps", "40", "--resume", str(path)])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and str(path) in lines[0] and reason in lines[0], proc.stderr
+    args = example.parse_args(["--out", str(tmp_path / "out"), "--steps", "40", "--resume", str(path)])
+    with pytest.raises(SystemExit) as exit_info:  # one process, in this one: the same checks as 4 processes
+        example.train(args)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and reason in lines[0], lines
     assert not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
-def test_default_run_folders_are_per_dataset_mode_and_seed(tmp_path: Path) -> None:
-    script = str(ROOT / SCRIPT)
+def test_default_run_folders_are_per_dataset_mode_and_seed(tmp_path: Path, example, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # one process, in this one: the folders are relative to where it runs
     for flags, folder in [
         ([], "ring-sync-seed0"),
         (["--period", "2", "--warmup-steps", "2", "--seed", "3"], "ring-period2-warmup2-seed3"),
     ]:
-        proc = subprocess.run(
-            [sys.executable, script, "--steps", "6", *flags],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-        assert proc.returncode == 0, proc.stderr
+        example.train(example.parse_args(["--steps", "6", *flags]))
         assert (tmp_path / "runs" / "gan" / folder / "checkpoint.pt").is_file()
-        assert f"run folder: runs/gan/{folder}" in proc.stdout
+        assert f"run folder: runs/gan/{folder}" in capsys.readouterr().out
     # --resume without --out continues in the checkpoint's folder.
-    resumed = subprocess.run(
-        [sys.executable, script, "--steps", "9", "--resume", "runs/gan/ring-sync-seed0/checkpoint.pt"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
+    example.train(example.parse_args(["--steps", "9", "--resume", "runs/gan/ring-sync-seed0/checkpoint.pt"]))
     assert torch.load(tmp_path / "runs/gan/ring-sync-seed0/checkpoint.pt", weights_only=True)["step"] == 9
 
 

@@ -528,12 +528,9 @@ def example(*flags: str, launcher: list[str] = ()) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_example_local_sgd_run(tmp_path, launcher):
-    start = ["--devices", "2"] if launcher == "python" else []
+def test_example_local_sgd_run_under_torchrun(tmp_path):
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     proc = example(
-        *start,
         "--accelerator",
         "cpu",
         "--steps",
@@ -544,7 +541,7 @@ def test_example_local_sgd_run(tmp_path, launcher):
         "10",
         "--out",
         str(tmp_path),
-        launcher=torchrun if launcher == "torchrun" else [],
+        launcher=torchrun,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     lines = proc.stdout.strip().splitlines()
