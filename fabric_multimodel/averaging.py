@@ -11,9 +11,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from fabric_multimodel.arguments import (
+    as_module_list,
+    check_fragments,
+    check_optimizers,
+    check_options,
+    check_replicated,
+    check_two_levels,
+    islands_layout,
+    plain_module,
+)
 from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
@@ -29,7 +38,6 @@ from fabric_multimodel.flat import FlatStorage
 from fabric_multimodel.fragments import Fragments, fragment_indices
 from fabric_multimodel.models import Models, ddp_of
 from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
-from fabric_multimodel.quantized import CODE_DTYPES
 from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
 from fabric_multimodel.schedule import Event, Schedule
 
@@ -73,8 +81,8 @@ def average_models(
         average_models(fabric, [gen, disc], optimizers=[opt_g, opt_d])
         fabric.save("ckpt.pt", {"gen": gen, "disc": disc})  # rank 0's copy is now everyone's
     """
-    module_list = _module_list(modules, "average_models")
-    optimizer_list = _check_optimizers(optimizers, "average_models")
+    module_list = as_module_list(modules, "average_models")
+    optimizer_list = check_optimizers(optimizers, "average_models")
     check_member(process_group, "average_models")
     tensors, names, _ = _averaged_tensors(module_list, average_buffers)
     traffic = all_reduce_mean_(tensors, process_group)
@@ -142,7 +150,7 @@ def replicas_in_sync(
         assert replicas_in_sync(fabric, [gen, disc])
         assert replicas_in_sync(fabric, [gen], buffers=False)  # under synchronous DDP with BatchNorm
     """
-    module_list = _module_list(modules, "replicas_in_sync")
+    module_list = as_module_list(modules, "replicas_in_sync")
     check_member(process_group, "replicas_in_sync")
     params = _unique(p for m in module_list for p in m.parameters())
     buffer_list = _unique(b for m in module_list for b in m.buffers())
@@ -307,7 +315,7 @@ class Averager:
         mixing: float | None = None,
         error_feedback: bool = False,
     ) -> None:
-        _check_arguments(
+        check_options(
             period,
             warmup_steps,
             overlap_steps,
@@ -318,14 +326,14 @@ class Averager:
             mixing,
             error_feedback,
         )
-        module_list = _module_list(modules, "Averager")
-        optimizers = _check_optimizers(optimizers, "Averager")
+        module_list = as_module_list(modules, "Averager")
+        optimizers = check_optimizers(optimizers, "Averager")
         if overlap_steps and optimizers:
             raise ValueError(
                 "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
                 " stays local, as in DiLoCo, when `optimizers` is empty)."
             )
-        _check_two_levels(period, node_period, node_group, outer_optimizer, comm_dtype, overlap_steps, fragments)
+        check_two_levels(period, node_period, node_group, outer_optimizer, comm_dtype, overlap_steps, fragments)
         check_member(process_group, "Averager")
         check_member(node_group, "Averager")
         if group_size(process_group) > 1:
@@ -335,10 +343,10 @@ class Averager:
                         f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
                         " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
                     )
-                _check_replicated(module)
+                check_replicated(module)
         ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
         #: True when the modules' DDP synchronises inside each node and rounds average across nodes.
-        self.islands = _islands(ddps, process_group, node_period)
+        self.islands = islands_layout(ddps, process_group, node_period)
         self.period = period
         self.warmup_steps = warmup_steps
         self.average_buffers = average_buffers
@@ -363,7 +371,7 @@ class Averager:
 
         tensors, names, n_params = _averaged_tensors(module_list, average_buffers, _model_names(modules))
         groups = fragment_indices(tensors[:n_params], names[:n_params], fragments)
-        _check_fragments(len(groups), period, overlap_steps, self.optimizers)
+        check_fragments(len(groups), period, overlap_steps, self.optimizers)
         #: The number of fragments; a round covers one.
         self.fragments = len(groups)
         self._has_buffers = len(tensors) > n_params
@@ -735,78 +743,6 @@ class Averager:
                 ddp._has_rebuilt_buckets = True
 
 
-def _check_arguments(
-    period: Any,
-    warmup_steps: Any,
-    overlap_steps: Any,
-    average_buffers: Any,
-    check_finite: Any,
-    comm_dtype: Any,
-    outer_optimizer: Any,
-    mixing: Any = None,
-    error_feedback: Any = False,
-    caller: str = "Averager",
-) -> None:
-    """The schedule's and the round's options, checked before anything is built (the Trainer callback too)."""
-    _check_int("period", period, minimum=1, caller=caller)
-    _check_int("warmup_steps", warmup_steps, minimum=0, caller=caller)
-    _check_int("overlap_steps", overlap_steps, minimum=0, caller=caller)
-    for name, flag in [
-        ("average_buffers", average_buffers),
-        ("check_finite", check_finite),
-        ("error_feedback", error_feedback),
-    ]:
-        if not isinstance(flag, bool):
-            raise TypeError(f"{caller}: `{name}` must be True or False, got {flag!r}.")
-    if overlap_steps >= period:
-        raise ValueError(
-            f"{caller}: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
-            " round is merged before the next one starts."
-        )
-    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-        raise TypeError(
-            f"{caller}: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16 (or, for block-quantized"
-            " rounds, torch.float8_e4m3fn, torch.float8_e5m2 or torch.float4_e2m1fn_x2), or None; got"
-            f" {comm_dtype!r}."
-        )
-    if error_feedback and comm_dtype not in CODE_DTYPES:
-        raise ValueError(
-            f"{caller}: `error_feedback` keeps what block quantization drops; it needs a low-bit `comm_dtype`"
-            f" (torch.float8_e4m3fn, torch.float8_e5m2 or torch.float4_e2m1fn_x2), got {comm_dtype!r}."
-        )
-    if isinstance(outer_optimizer, Optimizer):
-        raise TypeError(
-            f"{caller}: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
-            " given, not an optimizer: e.g."
-            " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
-        )
-    if mixing is not None:
-        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing <= 1:
-            raise ValueError(f"{caller}: `mixing` must be a number in [0, 1] or None, got {mixing!r}.")
-        if not overlap_steps:
-            raise ValueError(
-                f"{caller}: `mixing` sets how overlapped rounds merge; set `overlap_steps` too, or drop `mixing`."
-            )
-
-
-def _check_fragments(count: int, period: int, overlap_steps: int, optimizers: Sequence[Optimizer]) -> None:
-    if period % count:
-        raise ValueError(
-            f"Averager: `period` ({period}) must be a multiple of the number of fragments ({count}), so that a"
-            " fragment's round falls every period / fragments steps."
-        )
-    if overlap_steps >= period // count:
-        raise ValueError(
-            f"Averager: `overlap_steps` ({overlap_steps}) must be smaller than period / fragments"
-            f" ({period // count}), so that one fragment is in flight at a time."
-        )
-    if count > 1 and optimizers:
-        raise ValueError(
-            "Averager: `optimizers` cannot be combined with `fragments`; drop one (the inner optimizers' state"
-            " stays local, as in DiLoCo)."
-        )
-
-
 def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
     """``values`` as ``count`` whole numbers in 0..``limit``, or a ValueError naming the state's field."""
     if not isinstance(values, (list, tuple)) or len(values) != count:
@@ -819,134 +755,12 @@ def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
     return list(values)
 
 
-def _check_two_levels(
-    period: int,
-    node_period: Any,
-    node_group: ProcessGroup,
-    outer_optimizer: Any,
-    comm_dtype: Any,
-    overlap_steps: int,
-    fragments: Any,
-) -> None:
-    if node_period is None:
-        if node_group is not None:
-            raise ValueError("Averager: `node_group` is only used with `node_period`; pass both or neither.")
-        return
-    _check_int("node_period", node_period, minimum=1)
-    if node_group is None:
-        raise ValueError(
-            "Averager: `node_period` needs `node_group`, the group of this rank's node (node_groups(fabric).node)."
-        )
-    if period % node_period or node_period == period:
-        raise ValueError(
-            f"Averager: `period` ({period}) must be a multiple of `node_period` ({node_period}), and larger: a round"
-            " across the world every `period` steps, inside the node every `node_period` steps in between."
-        )
-    if outer_optimizer is not None or comm_dtype is not None or overlap_steps or fragments != 1:
-        raise ValueError(
-            "Averager: two-level averaging (`node_period`) is plain, blocking averaging; drop outer_optimizer,"
-            " comm_dtype, overlap_steps and fragments, or use the islands layout (DDP inside the node) for those."
-        )
-
-
-def _islands(ddps: Sequence[DistributedDataParallel], group: ProcessGroup, node_period: int | None) -> bool:
-    """Whether the modules' DDPs synchronise orthogonally to the averaging group (islands) or over it (flat).
-
-    The rule: a DDP over the averaging group itself is switched off after warm-up (local steps);
-    a DDP whose group meets the averaging group in this rank alone (its node, when averaging
-    across nodes) keeps synchronising every step; anything else is a mistake.
-    """
-    if not ddps or group_size(group) == 1:
-        return False
-    averaging = set(_group_ranks(group, group_size(group)))
-    kinds = set()
-    for ddp in ddps:
-        ranks = set(dist.get_process_group_ranks(ddp.process_group))
-        if ranks == averaging:
-            kinds.add("flat")
-        elif ranks & averaging == {dist.get_rank()}:
-            kinds.add("islands")
-        else:
-            raise ValueError(
-                f"Averager: a module's DDP synchronises over ranks {sorted(ranks)} and this Averager averages over"
-                f" {sorted(averaging)}; use DDP over the averaging group (flat: DDP is switched off after warm-up)"
-                " or over this rank's node with the Averager across nodes (islands: DDP keeps synchronising)."
-            )
-    if len(kinds) > 1:
-        raise ValueError(
-            "Averager: some modules' DDP synchronises over the averaging group and some inside the node; set up"
-            " every module the same way (setup_models(..., process_group=...) applies one group to all)."
-        )
-    if "islands" in kinds and node_period:
-        raise ValueError(
-            "Averager: two-level averaging (`node_period`) switches DDP off after warm-up, so set the models up with"
-            " DDP over the world (the default), not inside the node."
-        )
-    return "islands" in kinds
-
-
-def _check_replicated(module: nn.Module) -> None:
-    """Averaging needs a whole replica per rank: refuse sharded models (FSDP, DeepSpeed, tensor parallel)."""
-    from torch.distributed.tensor import DTensor
-
-    forward = module._forward_module if is_instance(module, "wrappers._FabricModule") else module
-    forward = getattr(forward, "_orig_mod", forward)
-    wrapped = isinstance(forward, DistributedDataParallel) or forward is _plain(module)
-    if not wrapped or any(isinstance(p, DTensor) for p in module.parameters()):
-        raise TypeError(
-            f"Averager: {type(forward).__name__} holds a shard of the model on each rank, not a replica; averaging"
-            " needs DDP (or single-device) models: set them up with setup_models under a DDP strategy."
-        )
-
-
-def _check_int(name: str, value: Any, minimum: int, caller: str = "Averager") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{caller}: `{name}` must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
-    if value < minimum:
-        raise ValueError(f"{caller}: `{name}` must be >= {minimum}, got {value}.")
-
-
-def _module_list(modules: Any, caller: str) -> list[nn.Module]:
-    module_list = (
-        [modules] if isinstance(modules, nn.Module) else list(modules) if isinstance(modules, Iterable) else None
-    )
-    if module_list is None:
-        raise TypeError(
-            f"{caller}: `modules` must be a module or an iterable of modules, got {type(modules).__name__}."
-        )
-    if not module_list:
-        raise ValueError(f"{caller}: `modules` is empty; pass the models to average.")
-    for module in module_list:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"{caller}: `modules` must hold torch.nn.Module objects, got {type(module).__name__}.")
-    return module_list
-
-
 def _model_names(modules: Any) -> list[str] | None:
     return list(modules._fields) if isinstance(modules, Models) else None
 
 
-def _check_optimizers(optimizers: Any, caller: str) -> list[Optimizer]:
-    if isinstance(optimizers, Optimizer) or not isinstance(optimizers, Iterable):
-        raise TypeError(f"{caller}: `optimizers` must be a list of optimizers, e.g. optimizers=[opt_g, opt_d].")
-    optimizers = list(optimizers)
-    for opt in optimizers:
-        if not isinstance(opt, Optimizer):
-            raise TypeError(
-                f"{caller}: `optimizers` must hold torch.optim.Optimizer objects, got {type(opt).__name__}."
-            )
-    return optimizers
-
-
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return list({id(t): t for t in tensors}.values())
-
-
-def _plain(module: nn.Module) -> nn.Module:
-    """The user's module under Fabric's and DDP's wrappers (for readable tensor names)."""
-    if is_instance(module, "wrappers._FabricModule"):
-        module = module._original_module
-    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 def _averaged_tensors(
@@ -957,7 +771,7 @@ def _averaged_tensors(
     seen: dict[int, tuple[torch.Tensor, str]] = {}
     for kind in ("parameters", "buffers"):
         for module, prefix in zip(modules, prefixes):
-            named = getattr(_plain(module), f"named_{kind}")()
+            named = getattr(plain_module(module), f"named_{kind}")()
             for name, t in named:
                 if kind == "buffers" and not (average_buffers and t.is_floating_point()):
                     continue

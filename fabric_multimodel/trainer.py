@@ -30,7 +30,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from fabric_multimodel.averaging import Averager, _check_arguments
+from fabric_multimodel.arguments import check_options
+from fabric_multimodel.averaging import Averager
 from fabric_multimodel.collectives import Traffic, describe_disagreement
 from fabric_multimodel.fragments import Fragments
 from fabric_multimodel.models import ddp_options_problem
@@ -338,7 +339,7 @@ class Averaging:
         fragments: Fragments = 1,
         mixing: float | None = None,
     ) -> None:
-        _check_arguments(
+        check_options(
             period,
             warmup_steps,
             overlap_steps,

@@ -546,6 +546,9 @@ def test_example_local_sgd_run_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-5000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("final:") for line in lines) == 1, proc.stdout  # rank 0 only
+    assert f"run folder: {tmp_path} (checkpoint.ckpt, logs/)" in lines
+    # Lightning's deprecation notices from inside Lightning are not the user's concern: none reach the screen.
+    assert "LeafSpec" not in proc.stderr and "weights_only" not in proc.stderr, proc.stderr[-3000:]
     final = {k: float(v) for k, v in FINAL.match(lines[-1]).groupdict().items()}
     checkpoint = torch.load(tmp_path / "checkpoint.ckpt", weights_only=False)
     params = sum(t.numel() * t.element_size() for t in checkpoint["state_dict"].values())
@@ -580,3 +583,19 @@ def test_example_bad_flag_stops_the_script_before_any_process_starts():
     proc = example("--devices", "2", "--period", "-1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["gan_trainer.py: error: --period must be >= 0, got -1"]
+
+
+def test_example_run_folders_are_named_after_the_settings(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the folders are relative to where it runs
+    module = load_example()
+    assert module.parse_args([]).out == Path("runs/gan_trainer/sync-seed0")
+    settings = module.parse_args(["--period", "8", "--warmup-steps", "100", "--seed", "2"])
+    assert settings.out == Path("runs/gan_trainer/period8-warmup100-seed2")
+    # An earlier run's checkpoint is never written over: one line says what to do instead.
+    (tmp_path / "runs/gan_trainer/sync-seed0").mkdir(parents=True)
+    (tmp_path / "runs/gan_trainer/sync-seed0/checkpoint.ckpt").write_bytes(b"earlier")
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args([])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "runs/gan_trainer/sync-seed0 holds an earlier run's checkpoint.ckpt" in line and "--out" in line
