@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from fabric_multimodel.collectives import ProcessGroup, group_size
+from fabric_multimodel.collectives import ProcessGroup, group_ranks, group_size
 from fabric_multimodel.families import is_instance
 from fabric_multimodel.quantized import CODE_DTYPES
 
@@ -131,7 +131,7 @@ def islands_layout(ddps: Sequence[DistributedDataParallel], group: ProcessGroup,
     """
     if not ddps or group_size(group) == 1:
         return False
-    averaging = set(dist.get_process_group_ranks(group)) if group is not None else set(range(dist.get_world_size()))
+    averaging = set(group_ranks(group))
     kinds = set()
     for ddp in ddps:
         ranks = set(dist.get_process_group_ranks(ddp.process_group))

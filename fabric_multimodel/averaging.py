@@ -30,6 +30,7 @@ from fabric_multimodel.collectives import (
     check_member,
     describe_disagreement,
     fingerprint,
+    group_ranks,
     group_size,
     tensors_fingerprint,
 )
@@ -435,7 +436,7 @@ class Averager:
         if self.islands and group_size(process_group) > 1:
             # DDP made every node's replicas identical, not the nodes': start them all from the same
             # values, as DDP does for its own group (and the anchors with them).
-            source = _group_ranks(process_group, group_size(process_group))[0]
+            source = group_ranks(process_group)[0]
             for flat in storage.buffers:
                 dist.broadcast(flat, src=source, group=process_group)
             if isinstance(self._round, DeltaRound):
@@ -698,7 +699,7 @@ class Averager:
 
     def _check_stamps(self, stamps: list[Stamp], label: str, group: ProcessGroup | None = None) -> None:
         group = group if group is not None else self.process_group
-        ranks = _group_ranks(group, len(stamps))
+        ranks = group_ranks(group)
         mine = stamps[_position(group)]
         for rank, stamp in zip(ranks, stamps):
             if stamp.steps != mine.steps:
@@ -792,10 +793,6 @@ def _optimizer_state(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
         for key, value in sorted(opt.state.get(p, {}).items())
         if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
     ]
-
-
-def _group_ranks(group: ProcessGroup, world: int) -> list[int]:
-    return dist.get_process_group_ranks(group) if group is not None else list(range(world))
 
 
 def _position(group: ProcessGroup) -> int:

@@ -46,6 +46,18 @@ def group_rank(group: ProcessGroup = None) -> int:
     return dist.get_rank(group)
 
 
+def group_ranks(group: ProcessGroup = None) -> list[int]:
+    """The global ranks of ``group`` (the default group when None), in group order; ``[0]`` without torch.distributed.
+
+    Example::
+
+        source = group_ranks(across_nodes)[0]  # the group's first rank, as a global rank for dist.broadcast
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def check_member(group: ProcessGroup, caller: str) -> None:
     """Raise on this rank, before any collective, when it is not a member of ``group``.
 
@@ -167,7 +179,7 @@ def describe_disagreement(description: str, device: torch.device, group: Process
         return None
     descriptions: list[str] = [""] * group_size(group)
     dist.all_gather_object(descriptions, description, group=group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(descriptions)))
+    ranks = group_ranks(group)
     first = descriptions[0]
     return "; ".join(
         [f"rank {ranks[0]}: {first}"]
