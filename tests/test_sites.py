@@ -372,7 +372,7 @@ def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(run
     assert starts(result.logs[0][0]) and starts(result.logs[0][0])[0]["time"] - result.started < at, report(result)
     assert at <= result.dropped_at < at + 1 and result.back_at is None, report(result)
     assert result.codes == (1, -9) and result.code == 1 and result.stopped == (), report(result)
-    # Well before the task's 60 s process-group timeout: the lost peer, not a timeout, ended it (1-3 s on a quiet
+    # Well before the task's 60 s process-group timeout: the lost peer, not a timeout, ended it (under 8 s on a quiet
     # machine, 10.5 s once beside a 4-process benchmark on the same 2 cores).
     assert result.ended[0] - result.dropped_at < 30, report(result)
     assert f"sites: dropped site 1 at {result.dropped_at:.1f} s" in (result.out / "sites.log").read_text()
