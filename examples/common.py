@@ -27,12 +27,14 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from fabric_multimodel import NodeGroups, ddp_of, node_groups
+from fabric_multimodel import Averager, NodeGroups, ddp_of, node_groups
 from fabric_multimodel.checkpoints import (
     CheckpointError,
     CheckpointWriter,
     load_checkpoint,
+    read_checkpoint,
     remove_stale_temporaries,
+    replica_path,
     save_checkpoint,
 )
 from fabric_multimodel.elastic import restart_count, resume_latest
@@ -203,8 +205,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.resume = AUTO  # torchrun's agent restarted this node's workers: go on from the run folder
     if args.resume is not None and args.resume != AUTO and not args.resume.is_file():
         p.error(f"--resume {args.resume}: no such file")
-    if args.checkpoint_rounds and (not args.period or args.overlap_steps or args.node_period):
-        p.error("--checkpoint-rounds needs --period N and blocking rounds (no --overlap-steps, no --node-period)")
+    anchored = args.outer != "none" or args.comm_dtype != "float32"
+    if args.checkpoint_rounds and (not args.period or args.node_period or (args.overlap_steps and not anchored)):
+        p.error(
+            "--checkpoint-rounds needs --period N, no --node-period, and with --overlap-steps anchored rounds"
+            " (--outer nesterov or a --comm-dtype)"
+        )
     if LAUNCHER is not None:
         devices, nodes, accelerator = LAUNCHER_FLAGS[LAUNCHER]
         given = [("--devices", devices, args.devices is not None), ("--num-nodes", nodes, args.num_nodes != 1)]
@@ -370,6 +376,12 @@ def comm_line(gradients: GradientBytes, averager: Any) -> str:
     return f"comm: ddp_bytes={gradients.bytes} round_bytes={rounds} node_round_bytes={node_rounds}"
 
 
+def link_line(averager: Averager, end_seconds: float, end_bytes: int) -> str:
+    """``link: start_bytes=... end_round_bytes=... end_round_s=...``: what the averager's start and its last round
+    (leaving the block) cost this rank, beyond the rounds of the schedule."""
+    return f"link: start_bytes={averager.start_traffic.bytes} end_round_bytes={end_bytes} end_round_s={end_seconds:.2f}"
+
+
 def final_line(
     steps: int, quality: str, *, wall_s: float, iter_seconds: Sequence[float], comm_bytes: int, rounds: int
 ) -> str:
@@ -416,6 +428,9 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> N
     """
     config = state["config"]  # the load replaces it with the checkpoint's
     path = args.out / "checkpoint.pt" if args.resume == AUTO else args.resume
+    averager = state.get("averager")
+    if averager is not None and averager.anchored:  # each replica resumes from its own file, when it has one
+        path = own_replica(path, averager.replica.index, explicit=args.resume != AUTO)
 
     def same_settings(checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("config")
@@ -455,6 +470,19 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> N
             f"{path} was written by {written_by} processes and resumes into {fabric.world_size}: every"
             " process starts from the checkpoint's replica and optimizer state (rank 0's, averaged before saving)"
         )
+
+
+def own_replica(path: Path, index: int, *, explicit: bool) -> Path:
+    """This replica's checkpoint beside ``path`` (replica 0's). For an explicit ``--resume``: that file only when
+    it is whole and at the same step as ``path``, else ``path`` itself (the Averager then starts this replica
+    from the anchors)."""
+    own = replica_path(path, index)
+    if not explicit or own == path:
+        return own
+    try:
+        return own if read_checkpoint(own)["step"] == read_checkpoint(path)["step"] else path
+    except (CheckpointError, KeyError):
+        return path
 
 
 def fail(fabric: Fabric, message: str) -> NoReturn:
@@ -526,34 +554,50 @@ class Progress:
 
 
 class Checkpointer:
-    """Atomic checkpoints in the run folder: periodic ones (rank 0, every rank waits), and with
-    ``--checkpoint-rounds`` one after every averaging round, written in the background by one process per
-    node, so that a restarted node finds its own (stale temporaries of killed saves are removed first)."""
+    """Atomic checkpoints in the run folder, periodic ones and with ``--checkpoint-rounds`` one after every
+    averaging round (stale temporaries of killed saves are removed first).
 
-    def __init__(self, fabric: Fabric, folder: Path, rounds: bool = False) -> None:
+    With anchored rounds (DiLoCo, ``--comm-dtype``) a checkpoint sends nothing: each replica's writer saves
+    its own file (``checkpoint.pt``, ``checkpoint.replica1.pt``, ...) in the background, no round and no
+    barrier. Otherwise rank 0 writes ``checkpoint.pt`` after a round (every rank waits), and round
+    checkpoints are written in the background by one process per node, so that a restarted node finds its own.
+    """
+
+    def __init__(self, fabric: Fabric, folder: Path, rounds: bool = False, averager: Averager | None = None) -> None:
         self.fabric, self.path = fabric, folder / "checkpoint.pt"
-        self.rounds = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0)
+        #: True when each replica writes its own checkpoint and no checkpoint needs a round.
+        self.local = averager is not None and averager.anchored
+        if self.local:
+            assert averager is not None
+            index, _, writer = averager.replica
+            self.writer = CheckpointWriter(replica_path(self.path, index), enabled=writer)
+        else:
+            self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0)
         if fabric.local_rank == 0:
             for stale in remove_stale_temporaries(folder):
                 print(f"removed {stale}, left by a save that was interrupted", flush=True)
 
     def save(self, state: Mapping[str, Any]) -> Path:
-        self.rounds.wait()  # the rename of a background write must not land after this one
+        if self.local:
+            self.writer.save(state)
+            return self.writer.path
+        self.writer.wait()  # the rename of a background write must not land after this one
         return save_checkpoint(self.fabric, self.path, state)
 
     def after_round(self, state: Mapping[str, Any]) -> None:
-        """After a blocking round, where every replica is the same: a checkpoint written in the background."""
-        self.rounds.save(state)
+        """After a round (where the replicas are the same, or anchored): a checkpoint written in the background."""
+        self.writer.save(state)
 
     def close(self) -> str:
         """Finish the background write; a line with what the round checkpoints cost, when there were any."""
-        self.rounds.close()
-        if not self.rounds.seconds:
+        self.writer.close()
+        if not self.writer.seconds:
             return ""
-        copies, writes = zip(*self.rounds.seconds)
+        copies, writes = zip(*self.writer.seconds)
+        copy_ms, write_ms = 1000 * statistics.median(copies), 1000 * statistics.median(writes)
         return (
-            f"round checkpoints: {len(copies)}, training thread {1000 * statistics.median(copies):.2f} ms each"
-            f" (median), background write {1000 * statistics.median(writes):.1f} ms"
+            f"checkpoints in the background: {len(copies)}, training thread {copy_ms:.2f} ms each (median),"
+            f" background write {write_ms:.1f} ms"
         )
 
 

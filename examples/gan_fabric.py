@@ -212,11 +212,11 @@ def train(args: argparse.Namespace) -> int | None:
     if args.resume is not None:
         resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds)
+    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
     stop = StopSignal()
 
     def save(step: int, sync: bool = True) -> Path:
-        if averager is not None and sync:
+        if averager is not None and sync and not checkpointer.local:
             averager.sync()  # every replica (and its Adam moments) equal to what rank 0 writes
         state.update(step=step, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size)
         return checkpointer.save(state)
@@ -226,6 +226,7 @@ def train(args: argparse.Namespace) -> int | None:
     ones = torch.ones(args.batch_size, 1, device=fabric.device)
     progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero)
     iter_seconds: list[float] = []
+    checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
     wall = time.perf_counter()
     with averager or nullcontext():
         for step in range(state["step"] + 1, args.steps + 1):
@@ -245,9 +246,11 @@ def train(args: argparse.Namespace) -> int | None:
             fabric.backward(g_loss)
             opt_g.step()
             opt_g.zero_grad()
-            if averager is not None and averager.step() and args.checkpoint_rounds:
-                state.update(step=step, grad_bytes=grad_bytes.bytes)
-                checkpointer.after_round(state | {"world_size": fabric.world_size})
+            if averager is not None:
+                averager.step()
+                if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
+                    state.update(step=step, grad_bytes=grad_bytes.bytes)
+                    checkpointer.after_round(state | {"world_size": fabric.world_size})
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
@@ -261,8 +264,10 @@ def train(args: argparse.Namespace) -> int | None:
                     path = save(step)
                     fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
                     return 143
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.steps:
+            checkpoint_due |= bool(args.checkpoint_every) and step % args.checkpoint_every == 0
+            if checkpoint_due and step < args.steps and not (averager is not None and averager.pending):
                 save(step)
+                checkpoint_due = False
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
     progress.close()

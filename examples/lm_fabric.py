@@ -69,6 +69,7 @@ from common import (
     fail,
     final_line,
     layout,
+    link_line,
     main,
     mode_name,
     resume,
@@ -412,7 +413,7 @@ def train(args: argparse.Namespace) -> int | None:
     if args.resume is not None:
         resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
-    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds)
+    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
     stop = StopSignal()
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
     stream = Stream(corpus.train, args.context, args.seed, fabric.global_rank)
@@ -423,7 +424,7 @@ def train(args: argparse.Namespace) -> int | None:
         return grad_bytes.bytes + (averager.traffic.bytes if averager is not None else 0)
 
     def save(step: int, sync: bool = True) -> Path:
-        if averager is not None and sync:
+        if averager is not None and sync and not checkpointer.local:
             averager.sync()  # every replica (and its AdamW moments) equal to what rank 0 writes
         state.update(
             step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size
@@ -438,7 +439,9 @@ def train(args: argparse.Namespace) -> int | None:
     progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero, unit="tok")
     iter_seconds: list[float] = []
     loss: torch.Tensor | None = None  # the last step's, logged at the end
+    checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
     wall = time.perf_counter()
+    end = (wall, sent())  # after the last step: what leaving the block costs is measured from here
     with averager or nullcontext():
         for step in range(state["step"] + 1, args.steps + 1):
             tick = time.perf_counter()
@@ -451,9 +454,11 @@ def train(args: argparse.Namespace) -> int | None:
                 fabric.clip_gradients(model, optimizer, max_norm=args.clip)
             optimizer.step()
             optimizer.zero_grad()
-            if averager is not None and averager.step() and args.checkpoint_rounds:
-                state.update(step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes)
-                checkpointer.after_round(state | {"world_size": fabric.world_size})
+            if averager is not None:
+                averager.step()
+                if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
+                    state.update(step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes)
+                    checkpointer.after_round(state | {"world_size": fabric.world_size})
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
@@ -469,10 +474,14 @@ def train(args: argparse.Namespace) -> int | None:
                     path = save(step)
                     fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
                     return 143
-            if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.steps:
+            checkpoint_due |= bool(args.checkpoint_every) and step % args.checkpoint_every == 0
+            if checkpoint_due and step < args.steps and not (averager is not None and averager.pending):
                 save(step)
+                checkpoint_due = False
+            end = (time.perf_counter(), sent())
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
+    end_round = (time.perf_counter() - end[0], sent() - end[1])
     progress.close()
     if fabric.is_global_zero:
         val_loss = evaluate(model, eval_batches)
@@ -493,6 +502,8 @@ def train(args: argparse.Namespace) -> int | None:
     comm = sent()
     print(f"run folder: {args.out} (checkpoint.pt, logs/, {plot.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
+    if averager is not None:
+        print(link_line(averager, *end_round), flush=True)
     if args.checkpoint_rounds:
         print(round_checkpoints, flush=True)
     quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"

@@ -27,9 +27,11 @@ from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
     all_reduce_mean_,
+    broadcast_differences,
     check_member,
     describe_disagreement,
     fingerprint,
+    group_rank,
     group_ranks,
     group_size,
     tensors_fingerprint,
@@ -164,6 +166,23 @@ def replicas_in_sync(
     dist.all_reduce(pairs, op=dist.ReduceOp.MAX, group=process_group)
     top, bottom = pairs[0::2].tolist(), (-pairs[1::2]).tolist()
     return SyncReport(top[0] == bottom[0], top[1] == bottom[1], top[2] == 0, buffers)
+
+
+class Replica(NamedTuple):
+    """Which replica this rank holds, of how many, and whether it writes that replica's checkpoint.
+
+    Between rounds every averaging rank holds a replica of its own, except in the islands layout,
+    where DDP keeps the processes of a node identical: one replica per node, written by the node's
+    first process. See :meth:`Averager.replica`.
+
+    Example::
+
+        index, count, writer = averager.replica
+    """
+
+    index: int
+    count: int
+    writer: bool
 
 
 class Averager:
@@ -365,6 +384,9 @@ class Averager:
         #: Two-level averaging: the rounds inside the node, and what they sent (part of ``rounds``/``traffic``).
         self.node_rounds = 0
         self.node_traffic = Traffic()
+        #: The ``step()`` count at which the last round across ``process_group`` finished (a blocking round, or
+        #: an overlapped one merged); None before the first.
+        self.finished_at: int | None = None
         self._device = fabric.device
         self._launched_at: int | None = None
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
@@ -433,14 +455,17 @@ class Averager:
                 " node_period, the layout, fragments, mixing) differ across ranks; build the same models and"
                 f" Averager on every rank. {_shorten(problem)}"
             )
+        #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
+        self.start_traffic = Traffic()
         if self.islands and group_size(process_group) > 1:
             # DDP made every node's replicas identical, not the nodes': start them all from the same
-            # values, as DDP does for its own group (and the anchors with them).
-            source = group_ranks(process_group)[0]
-            for flat in storage.buffers:
-                dist.broadcast(flat, src=source, group=process_group)
+            # values, as DDP does for its own group (and the anchors with them). Nodes built from one
+            # seed already agree, and then nothing but a checksum crosses the link.
+            self.start_traffic = broadcast_differences(storage.buffers, storage.slots, fabric.device, process_group)
             if isinstance(self._round, DeltaRound):
                 self._round.anchor_parameters()
+        # Islands: the node's processes hold one replica between them; the first one writes it.
+        self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in ddps)
 
     def __enter__(self) -> Averager:
         if self._ddp_settings is not None:
@@ -481,6 +506,49 @@ class Averager:
         """
         return self.steps >= self.warmup_steps
 
+    @property
+    def pending(self) -> bool:
+        """True while an overlapped round is in flight (launched, not yet merged).
+
+        Example::
+
+            if not averager.pending:
+                writer.save({"model": model, "averager": averager})  # state_dict() would wait for it
+        """
+        return self._launched_at is not None
+
+    @property
+    def anchored(self) -> bool:
+        """True when rounds keep an anchor (DiLoCo, ``comm_dtype``): a checkpoint then needs no round.
+
+        The anchors (the global model after each fragment's last round) and the outer optimizer are
+        identical on every rank by construction, so each replica saves them beside its own
+        parameters and inner optimizer, with no collective (see :attr:`replica`). Plain averaging has
+        no anchor: a checkpoint of one model needs :meth:`sync`, one blocking round.
+
+        Example::
+
+            if not averager.anchored:
+                averager.sync()
+        """
+        return isinstance(self._round, DeltaRound)
+
+    @property
+    def replica(self) -> Replica:
+        """Which replica this rank holds: its position in ``process_group``, how many there are, and whether
+        this rank writes it (islands: the node's first process; otherwise every rank).
+
+        With anchored rounds each replica's writer saves its own checkpoint (see
+        :func:`~fabric_multimodel.checkpoints.replica_path`); none of it crosses the link.
+
+        Example::
+
+            index, count, writer = averager.replica
+            path = replica_path("checkpoint.pt", index)  # checkpoint.pt, checkpoint.replica1.pt, ...
+            CheckpointWriter(path, enabled=writer).save({"model": model, "averager": averager})
+        """
+        return Replica(group_rank(self.process_group), group_size(self.process_group), self._writes_replica)
+
     def step(self) -> bool:
         """Count one iteration and do what the schedule says for it; True when this call started a round.
 
@@ -519,7 +587,8 @@ class Averager:
         self._round_everything()
 
     def state_dict(self) -> dict[str, Any]:
-        """The schedule's counters (plain ints) and, for anchored rounds, the anchor and outer optimizer.
+        """The schedule's counters (plain ints) and, for anchored rounds, the anchor, the outer optimizer and the
+        index of the replica that saved it (see :attr:`replica`).
 
         A round in flight is finished first, so a checkpoint never holds half a round. With fragments it also
         holds each fragment's last round step; in the islands layout, the fragments still to have their
@@ -542,14 +611,17 @@ class Averager:
         if self.islands:
             state["fresh_fragments"] = sorted(self._fresh)
         if isinstance(self._round, DeltaRound):
-            state.update(self._round.state_dict())
+            state.update(self._round.state_dict(), replica=group_rank(self.process_group))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the schedule (and the anchor, the outer optimizer) from :meth:`state_dict`.
 
         ``fabric.load`` calls it. Counters that are not whole numbers, are negative or contradict
-        each other are a ``ValueError``, nothing is changed then.
+        each other are a ``ValueError``, nothing is changed then. With anchored rounds, a state saved
+        by another replica (``replica`` differs from this rank's :attr:`replica` index: a world of
+        another size, or a replica with no checkpoint of its own at that step) also sets the
+        parameters to their anchors, the global model, after warm-up; so load it after the modules.
 
         Example::
 
@@ -586,6 +658,9 @@ class Averager:
             values["steps"],
             "fragments_synced_at",
         )
+        saved_by = state_dict.get("replica", group_rank(self.process_group))
+        if isinstance(saved_by, bool) or not isinstance(saved_by, int) or saved_by < 0:
+            raise ValueError(f"Averager.load_state_dict: `replica` must be a whole number >= 0, got {saved_by!r}.")
         fresh = state_dict.get("fresh_fragments", [])
         if not isinstance(fresh, (list, tuple)) or not set(fresh) <= set(range(self.fragments)):
             raise ValueError(
@@ -601,6 +676,12 @@ class Averager:
         self._synced_at = synced_at
         self._fresh = set(fresh)
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
+        if isinstance(self._round, DeltaRound) and saved_by != group_rank(self.process_group) and self.local:
+            # Another replica's checkpoint (this one has none at that step, or the world changed): start
+            # from the global model, not from a copy of that replica's local progress.
+            for fragment, part in enumerate(self._round.parts):
+                if fragment not in self._fresh:
+                    self._round.restore_parameters(part)
         if self._ddp_settings is not None:
             self._apply_phase()
 
@@ -669,6 +750,7 @@ class Averager:
             self.rounds += 1
             self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
         self._synced_at[fragment] = self.steps
+        self.finished_at = self.steps
         return True
 
     def _node_round_now(self) -> bool:
@@ -690,6 +772,7 @@ class Averager:
         label = f"averaging round {self.rounds} (launched at step {self._launched_at})"
         self._launched_at = None
         self._check_stamps(self._round.finish(), label)
+        self.finished_at = self.steps
         return False
 
     def _discard_pending(self) -> None:

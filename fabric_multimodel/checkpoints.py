@@ -72,6 +72,28 @@ def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str,
     return path
 
 
+def replica_path(path: str | os.PathLike, index: int) -> Path:
+    """Where replica ``index`` keeps its own checkpoint: ``path`` for replica 0, ``<stem>.replica<index><suffix>``
+    beside it for the others.
+
+    With anchored rounds (DiLoCo, ``comm_dtype``) a checkpoint needs no round: each replica's writer
+    saves the anchors and outer optimizer (the same everywhere) with its own parameters and inner
+    optimizer, and nothing crosses the link. Resuming into the same world loads every replica's own
+    file, bitwise; a replica with no file of its own at that step loads replica 0's, and the
+    :class:`~fabric_multimodel.Averager` then starts it from the anchors.
+
+    Example::
+
+        index, _, writer = averager.replica
+        CheckpointWriter(replica_path(out / "checkpoint.pt", index), enabled=writer)
+        replica_path("runs/lm/checkpoint.pt", 1)  # runs/lm/checkpoint.replica1.pt
+    """
+    path = Path(path)
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"replica_path: `index` must be a whole number >= 0, got {index!r}.")
+    return path if index == 0 else path.with_name(f"{path.stem}.replica{index}{path.suffix}")
+
+
 class CheckpointWriter:
     """Atomic checkpoints written off the training thread, cheap enough for every averaging round.
 

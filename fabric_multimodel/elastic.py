@@ -73,9 +73,11 @@ def resume_latest(
     """Load the newest complete checkpoint that any rank can read at ``path`` into ``state``, on every rank.
 
     Each rank reads and verifies its own copy (see :func:`~fabric_multimodel.checkpoints.read_checkpoint`;
-    a damaged or half-written file counts as none). One small allreduce agrees on the newest (by
-    ``state[step_key]``); when some ranks' copies are older or missing, its rank broadcasts it (one
-    ``broadcast_object_list``). Then every rank loads it into ``state`` as
+    a damaged or half-written file counts as none); ranks may pass different paths (each replica's
+    own, :func:`~fabric_multimodel.checkpoints.replica_path`). One small allreduce agrees on the newest
+    (by ``state[step_key]``); when some ranks' copies are older or missing, the lowest rank holding
+    the newest broadcasts its copy to them (one ``broadcast_object_list``), and ranks whose own copy is
+    the newest keep theirs. Then every rank loads it into ``state`` as
     :func:`~fabric_multimodel.checkpoints.load_checkpoint` does (``validate`` first). Returns None,
     changing nothing, when no rank has a checkpoint: a fresh start. Call it on every rank, before
     the first collective of training.
@@ -106,7 +108,8 @@ def resume_latest(
     if broadcast:
         box = [mine if rank == source else None]
         dist.broadcast_object_list(box, src=source)
-        mine = box[0]
+        if step != newest:  # a rank whose own copy is the newest keeps it (each replica may have its own)
+            mine = box[0]
     assert mine is not None
     extra = load_state(path, mine, state, validate=validate)
     return Resumed(newest, source, broadcast, extra)

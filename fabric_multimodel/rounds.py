@@ -478,6 +478,15 @@ class DeltaRound(Round):
             for anchor, x, end in zip(part.of(self.anchor), part.data, self._param_ends(part)):
                 anchor[:end].copy_(x[:end])
 
+    def restore_parameters(self, part: Part) -> None:
+        """Set ``part``'s parameters to their anchor (buffers keep their values): the global model of its last round."""
+        with torch.no_grad():
+            for anchor, x, end in zip(part.of(self.anchor), part.data, self._param_ends(part)):
+                x[:end].copy_(anchor[:end])
+        if self._error_feedback:  # what it kept belongs to the replica that was replaced
+            for transport in self._transports:
+                transport.mean.clear_residual()
+
     def clear_anchor(self, part: Part) -> None:
         """Set ``part``'s anchor to zero, so that its next round sends the parameters themselves: a plain mean
         of replicas that share no anchor yet (the first round across the islands)."""
