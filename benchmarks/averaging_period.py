@@ -511,7 +511,7 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
     args.steps = args.steps or (16 if args.quick else task.steps)
     warmup = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else task.warmup_steps)
     args.devices = args.devices or (1 if args.quick else 2)  # per site
-    bandwidths = args.bandwidth or (["10mbit"] if args.quick else ["none", "1gbit", "100mbit", "10mbit"])
+    bandwidths = args.bandwidth or (["10mbit"] if args.quick else ["none", "100mbit", "10mbit", "1mbit"])
     for bandwidth in bandwidths:
         try:
             parse_rate(bandwidth)
@@ -526,6 +526,11 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
         if task is LM
         else site_sweep.ring_site_settings(warmup)
     )
+    if args.settings:
+        unknown = sorted(set(args.settings) - {s.key for s in settings})
+        if unknown:
+            p.error(f"--settings: unknown {unknown}; choose from {[s.key for s in settings]}")
+        settings = [s for s in settings if s.key in args.settings]
     info = common.machine_info()
     floor = run_on_sites(task, site_sweep.floor_setting(args.steps), args, "none", seed, runs_dir, args.steps)
     iter_s = floor["wall_s"] / args.steps  # the compute every other run is measured against
@@ -581,7 +586,9 @@ def run_on_sites(
 ) -> dict[str, Any]:
     """One run of the example as ``--sites`` sites behind ``bandwidth`` (or reuse an identical finished one)."""
     run_dir = runs_dir / f"{bandwidth}-{setting.key.replace('=', '').replace('/', '-')}_seed{seed}"
-    script_args = ["--steps", str(steps), "--seed", str(seed), "--out", str(run_dir / "run"), "--checkpoint-every", "0"]
+    script_args = ["--steps", str(steps), "--seed", str(seed), "--out", str(run_dir / "run")]
+    if args.checkpoints == "off" or setting.key == "no-comm":  # the floor is compute alone
+        script_args += ["--checkpoint-every", "0"]
     script_args += ["--log-every", str(max(1, steps // 20)), *setting.flags, *args.example_args]
     key = {"args": script_args, "sites": args.sites, "devices": args.devices, "bandwidth": bandwidth}
     result_path = run_dir / "result.json"
@@ -648,10 +655,12 @@ def report_sites(
         row["model_error"] = row["model_wall_s"] / row["wall_s"] - 1 if row["wall_s"] else math.nan
     print(f"# Averaging across {args.sites} simulated sites, task {task.name}{' (QUICK)' if args.quick else ''}\n")
     print(common.machine_line(info, sites=args.sites, processes_per_site=args.devices, steps=args.steps))
+    policy = "every 10% of the steps (the examples' default)" if args.checkpoints == "default" else "off"
     print(
         f"\n{task.example.relative_to(common.REPO)} as {args.sites} sites of {args.devices} processes (network"
         " namespaces joined by tbf-limited links, `fabric_multimodel.sites`); warm-up"
-        f" {warmup}. Utilisation: the no-communication run's {floor['wall_s'] / args.steps * 1e3:.1f} ms per"
+        f" {warmup}; checkpoints {policy}. Utilisation: the no-communication run's"
+        f" {floor['wall_s'] / args.steps * 1e3:.1f} ms per"
         " iteration times the steps, over the run's wall-clock. Crossing bytes: per rank and iteration, the"
         " collectives over groups that span sites."
         + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
@@ -733,7 +742,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--bandwidth",
         nargs="+",
         default=None,
-        help="with --sites: the link rates to sweep (default: none 1gbit 100mbit 10mbit; quick: 10mbit)",
+        help="with --sites: the link rates to sweep (default: none 100mbit 10mbit 1mbit; quick: 10mbit)",
+    )
+    p.add_argument("--settings", nargs="+", default=None, help="with --sites: only these settings, and the floor")
+    p.add_argument(
+        "--checkpoints",
+        choices=["default", "off"],
+        default="default",
+        help="with --sites: the examples' default checkpoint policy (every 10%% of the steps), or none",
     )
     p.add_argument(
         "--run-budget", type=float, default=None, help="with --sites: seconds a run may take before it is shortened"

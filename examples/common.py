@@ -569,8 +569,8 @@ class Checkpointer:
         self.local = averager is not None and averager.anchored
         if self.local:
             assert averager is not None
-            index, _, writer = averager.replica
-            self.writer = CheckpointWriter(replica_path(self.path, index), enabled=writer)
+            replica = averager.replica
+            self.writer = CheckpointWriter(replica_path(self.path, replica.index), enabled=replica.writer)
         else:
             self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0)
         if fabric.local_rank == 0:

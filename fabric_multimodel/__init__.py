@@ -11,7 +11,7 @@ Example::
             averager.step()
 """
 
-from fabric_multimodel.averaging import Averager, SyncReport, average_models, replicas_in_sync
+from fabric_multimodel.averaging import Averager, Replica, SyncReport, average_models, replicas_in_sync
 from fabric_multimodel.collectives import Traffic
 from fabric_multimodel.frozen import frozen
 from fabric_multimodel.groups import NodeGroups, node_groups
@@ -24,6 +24,7 @@ __all__ = [
     "Models",
     "NodeGroups",
     "NonFiniteError",
+    "Replica",
     "SyncReport",
     "Traffic",
     "average_models",

@@ -7,7 +7,7 @@ rank instead of a hang. Each error names the argument and the fix.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -210,5 +210,5 @@ def check_optimizers(optimizers: Any, caller: str) -> list[Optimizer]:
 def plain_module(module: nn.Module) -> nn.Module:
     """The user's module under Fabric's and DDP's wrappers (for readable tensor names)."""
     if is_instance(module, "wrappers._FabricModule"):
-        module = module._original_module
+        module = cast(nn.Module, module._original_module)  # nn.Module.__getattr__ is typed Tensor | Module
     return module.module if isinstance(module, DistributedDataParallel) else module

@@ -4,6 +4,7 @@ check (`replicas_in_sync`). What a round does lives in `rounds.py` (plain averag
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -168,16 +169,18 @@ def replicas_in_sync(
     return SyncReport(top[0] == bottom[0], top[1] == bottom[1], top[2] == 0, buffers)
 
 
-class Replica(NamedTuple):
+@dataclass(frozen=True)
+class Replica:
     """Which replica this rank holds, of how many, and whether it writes that replica's checkpoint.
 
     Between rounds every averaging rank holds a replica of its own, except in the islands layout,
     where DDP keeps the processes of a node identical: one replica per node, written by the node's
-    first process. See :meth:`Averager.replica`.
+    first process. See :attr:`Averager.replica`.
 
     Example::
 
-        index, count, writer = averager.replica
+        replica = averager.replica
+        print(f"replica {replica.index} of {replica.count}", "(writes it)" if replica.writer else "")
     """
 
     index: int
@@ -410,7 +413,7 @@ class Averager:
         parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None
         overlap = overlap_steps > 0
         options: dict[str, Any] = {"parts": parts, "overlap": overlap, "check_finite": check_finite, "mixing": mixing}
-        anchored = {"error_feedback": error_feedback}
+        anchored: dict[str, Any] = {"error_feedback": error_feedback}
         self._round: Round
         if outer_optimizer is not None:
             order = sorted(range(n_params), key=placed.__getitem__)  # storage positions, in the modules' order
@@ -444,7 +447,7 @@ class Averager:
             MeanRound(storage, node_group, overlap=False, check_finite=check_finite) if node_period else None
         )
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
-        settings = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
+        settings: tuple[Any, ...] = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
         settings += (str(comm_dtype), overlap_steps, check_finite, node_period, self.islands, ends, mixing)
         settings += (error_feedback,)
         problem = describe_disagreement(repr((layout, settings)), fabric.device, process_group)
@@ -543,9 +546,9 @@ class Averager:
 
         Example::
 
-            index, count, writer = averager.replica
-            path = replica_path("checkpoint.pt", index)  # checkpoint.pt, checkpoint.replica1.pt, ...
-            CheckpointWriter(path, enabled=writer).save({"model": model, "averager": averager})
+            replica = averager.replica
+            path = replica_path("checkpoint.pt", replica.index)  # checkpoint.pt, checkpoint.replica1.pt, ...
+            CheckpointWriter(path, enabled=replica.writer).save({"model": model, "averager": averager})
         """
         return Replica(group_rank(self.process_group), group_size(self.process_group), self._writes_replica)
 
@@ -694,7 +697,7 @@ class Averager:
             "local": self._start_local_phase,
             "round": lambda event: self._round_now(event.fragment, blocking=True),
             "launch": lambda event: self._round_now(event.fragment, blocking=False),
-            "exchange": lambda event: self._round.exchange() or False,
+            "exchange": lambda event: self._exchange(),
             "merge": lambda event: self._finish_pending(),
             "node": lambda event: self._node_round_now(),
         }
@@ -752,6 +755,11 @@ class Averager:
         self._synced_at[fragment] = self.steps
         self.finished_at = self.steps
         return True
+
+    def _exchange(self) -> bool:
+        """Move the round in flight to its second phase; starts no round."""
+        self._round.exchange()
+        return False
 
     def _node_round_now(self) -> bool:
         assert self._node_round is not None

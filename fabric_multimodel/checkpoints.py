@@ -84,8 +84,8 @@ def replica_path(path: str | os.PathLike, index: int) -> Path:
 
     Example::
 
-        index, _, writer = averager.replica
-        CheckpointWriter(replica_path(out / "checkpoint.pt", index), enabled=writer)
+        replica = averager.replica
+        CheckpointWriter(replica_path(out / "checkpoint.pt", replica.index), enabled=replica.writer)
         replica_path("runs/lm/checkpoint.pt", 1)  # runs/lm/checkpoint.replica1.pt
     """
     path = Path(path)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 from types import ModuleType
+from typing import Any
 
 #: The Fabric package of each family; the standalone one first, since ``import lightning`` also imports its Trainer.
 FABRIC_PACKAGES = ("lightning_fabric", "lightning.fabric")
@@ -52,7 +53,7 @@ def is_instance(value: object, path: str) -> bool:
     return isinstance(value, classes(path))
 
 
-def family_class(value: object, path: str) -> type | None:
+def family_class(value: object, path: str) -> type[Any] | None:
     """The class at ``path`` of the family ``value`` belongs to (its own or a base class), or None.
 
     Example::

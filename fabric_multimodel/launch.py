@@ -186,9 +186,9 @@ def run_world(
             if time.monotonic() > deadline:
                 errors.update({rank: f"no result after {timeout:.0f} s (timed out)" for rank in pending})
                 break
-            for conn in mp_connection.wait(list(pending.values()), timeout=1.0):
-                rank = next(r for r, c in pending.items() if c is conn)
-                del pending[rank]
+            for ready in mp_connection.wait(list(pending.values()), timeout=1.0):
+                rank = next(r for r, c in pending.items() if c is ready)
+                conn = pending.pop(rank)
                 try:
                     status, value = conn.recv()
                 except EOFError:

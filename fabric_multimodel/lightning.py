@@ -36,12 +36,14 @@ from fabric_multimodel.trainer import Averaging, MultiModelDDP
 __all__ = ["ModelAveraging", "MultiModelDDPStrategy"]
 
 
-class MultiModelDDPStrategy(MultiModelDDP, pl.strategies.DDPStrategy):
+# The shared mixins are typed against the standalone family (pytorch_lightning); lightning.pytorch holds the same
+# classes under other names, which the type checker takes for conflicting definitions.
+class MultiModelDDPStrategy(MultiModelDDP, pl.strategies.DDPStrategy):  # type: ignore[misc]
     __doc__ = MultiModelDDP.__doc__
     _pl = pl
     _fabric = "lightning.fabric"
 
 
-class ModelAveraging(Averaging, pl.Callback):
+class ModelAveraging(Averaging, pl.Callback):  # type: ignore[misc]  # the same, for the Callback
     __doc__ = Averaging.__doc__
     _pl = pl

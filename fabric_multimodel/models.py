@@ -6,7 +6,7 @@ import inspect
 from collections import namedtuple
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +35,13 @@ class Models(tuple):
     """
 
     __slots__ = ()
+
+    if TYPE_CHECKING:  # what the namedtuple that each instance's class also derives from (_models_type) provides
+        _fields: tuple[str, ...]
+
+        def _asdict(self) -> dict[str, Any]: ...
+
+        def __getattr__(self, name: str) -> Any: ...
 
 
 def setup_models(
@@ -117,7 +124,7 @@ def ddp_of(module: nn.Module) -> DistributedDataParallel | None:
             print(ddp.broadcast_buffers)
     """
     if is_instance(module, "wrappers._FabricModule"):
-        module = module._forward_module
+        module = cast(nn.Module, module._forward_module)  # nn.Module.__getattr__ is typed Tensor | Module
     module = getattr(module, "_orig_mod", module)  # torch.compile wraps DDP in an OptimizedModule
     return module if isinstance(module, DistributedDataParallel) else None
 
@@ -241,7 +248,7 @@ def _ddp_options(strategy: Any, overrides: Mapping[str, Any]) -> Iterator[None]:
 def _without_ddp(strategy: Any) -> Iterator[None]:
     # Fabric's setup_module still converts precision, moves the model and wraps it; only the
     # strategy's DDP wrapping is skipped (an instance attribute shadows the method for this call).
-    strategy.setup_module = lambda module: module  # type: ignore[method-assign]
+    strategy.setup_module = lambda module: module
     try:
         yield
     finally:

@@ -187,6 +187,7 @@ class _Codec:
         # two- to eightfold, and E2M1 has no cast at all.
         self._half = torch.empty(capacity * block, dtype=torch.int16, device=device)
         self._e2m1: list[torch.Tensor] = []
+        self._mask: int | None  # e4m3fn's sign mask; None for e5m2 (E2M1 decodes by table)
         if code_dtype == torch.float8_e4m3fn:
             # The sign-extended byte shifted by 7 copies the sign into bit 14 too; the mask clears it.
             self._shift, self._mask, self._factor = 7, ~0x4000, 2.0**8

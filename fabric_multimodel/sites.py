@@ -564,7 +564,10 @@ class _Site:
 
     def poll(self) -> bool:
         """True when the launcher has just exited."""
-        if not self.running() or self.proc.poll() is None:
+        if not self.running():
+            return False
+        assert self.proc is not None  # running() checks it
+        if self.proc.poll() is None:
             return False
         self.code = script_code(self.proc.returncode, _tail(self.logs[1]))
         self.ended_at = time.monotonic()
@@ -573,6 +576,7 @@ class _Site:
     def finish(self) -> None:
         """After every process of the site is gone: reap the launcher and let the output pumps drain."""
         if self.running():
+            assert self.proc is not None  # running() checks it
             self.proc.wait()
             self.poll()
         for pump in self.pumps:
@@ -687,7 +691,7 @@ def run_sites(
             measured = measure_link(net) if sites > 1 else None
             say(_link_line(net, devices, measured))
             environment = site_environment(net.run_id, launcher, env)
-            options = {"sites": net, "devices": devices, "port": port, "max_restarts": max_restarts}
+            options: dict[str, Any] = {"sites": net, "devices": devices, "port": port, "max_restarts": max_restarts}
             commands = [site_command(launcher, script, args, site=r, **options) for r in range(sites)]
             run = _Run(net, [_Site(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)])
             try:
@@ -785,7 +789,7 @@ class _Run:
         self.wall_s = self.wall_s or self.elapsed()
 
     def result(self, measured: float | None, out: Path, drop: Drop | None) -> SitesResult:
-        counted = [shell_code(s.code) for s in self.sites if s.failed()]
+        counted = [shell_code(s.code) for s in self.sites if s.failed() and s.code is not None]
         return SitesResult(
             run_id=self.net.run_id,
             codes=tuple(s.code if s.code is not None else 0 for s in self.sites),

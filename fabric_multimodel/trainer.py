@@ -37,11 +37,17 @@ from fabric_multimodel.fragments import Fragments
 from fabric_multimodel.models import ddp_options_problem
 from fabric_multimodel.outer import OuterOptimizerFactory
 
+# The type checker sees the classes each family puts after the two mixins below (checked against the
+# standalone family's); at run time they stay plain mixins, so either family's classes can follow.
 if TYPE_CHECKING:
     from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+    from pytorch_lightning import Callback as _CallbackBase
     from pytorch_lightning import LightningModule, Trainer
     from pytorch_lightning.accelerators import Accelerator
     from pytorch_lightning.plugins.precision import Precision
+    from pytorch_lightning.strategies import DDPStrategy as _StrategyBase
+else:
+    _CallbackBase = _StrategyBase = object
 
 #: The adapter module of each family, by the name of the family's Trainer package.
 ADAPTERS = {
@@ -50,7 +56,7 @@ ADAPTERS = {
 }
 
 
-class MultiModelDDP:
+class MultiModelDDP(_StrategyBase):
     """The strategy, for either family (``fabric_multimodel.lightning.MultiModelDDPStrategy`` and
         ``fabric_multimodel.pytorch_lightning.MultiModelDDPStrategy`` put it before their ``DDPStrategy``).
 
@@ -272,7 +278,7 @@ class MultiModelDDP:
             )
 
 
-class Averaging:
+class Averaging(_CallbackBase):
     """The callback, for either family (``ModelAveraging`` in ``fabric_multimodel.lightning`` and
         ``fabric_multimodel.pytorch_lightning`` puts it before their ``Callback``).
 

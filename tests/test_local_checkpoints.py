@@ -49,9 +49,9 @@ def save_and_resume(fabric, folder, options, batch_norm, steps, save_at):
     """An uninterrupted run that saves once (when no round is in flight, from ``save_at`` on), and a second one
     resumed from that checkpoint; both run to ``steps``."""
     model, optimizer, averager = build(fabric, options, batch_norm)
-    index, count, writer_rank = averager.replica
-    path = replica_path(Path(folder) / "checkpoint.pt", index)
-    writer = CheckpointWriter(path, enabled=writer_rank)
+    replica = averager.replica
+    path = replica_path(Path(folder) / "checkpoint.pt", replica.index)
+    writer = CheckpointWriter(path, enabled=replica.writer)
     issued, saved_at, at_save = None, None, None
     with averager:
         for step in range(1, steps + 1):
@@ -74,7 +74,7 @@ def save_and_resume(fabric, folder, options, batch_norm, steps, save_at):
             train_step(fabric, model, optimizer, step)
             averager.step()
     return {
-        "replica": (index, count),
+        "replica": (replica.index, replica.count),
         "issued": issued,
         "saved_at": saved_at,
         "loaded_is_saved": loaded == at_save,
