@@ -4,8 +4,8 @@ check (`replicas_in_sync`). What a round does lives in `rounds.py` (plain averag
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -447,7 +447,8 @@ class Averager:
             MeanRound(storage, node_group, overlap=False, check_finite=check_finite) if node_period else None
         )
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
-        settings: tuple[Any, ...] = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
+        settings: tuple[Any, ...]
+        settings = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
         settings += (str(comm_dtype), overlap_steps, check_finite, node_period, self.islands, ends, mixing)
         settings += (error_feedback,)
         problem = describe_disagreement(repr((layout, settings)), fabric.device, process_group)
