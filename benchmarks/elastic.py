@@ -10,7 +10,7 @@ site rejoined, and the final validation losses side by side.
 
 Usage::
 
-    python benchmarks/elastic.py [--quick] [--out DIR] [--bandwidth 100mbit] [--at 40] [--back 80]
+    python benchmarks/elastic.py [--quick] [--out DIR] [--bandwidth 100mbit] [--at 40] [--back 80] [--streaming]
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
     script = [
         "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "20", "--outer", "nesterov",
         "--checkpoint-rounds", "--resume", "auto", "--checkpoint-every", "0", "--timeout", "60",
-        "--out", str(folder / "run"), *args.example_args,
+        "--out", str(folder / "run"), *streaming_flags(args), *args.example_args,
     ]  # fmt: skip
     result = run_sites(
         common.REPO / "examples" / "lm_fabric.py",
@@ -90,6 +90,13 @@ def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
     return row
 
 
+def streaming_flags(args: Any) -> list[str]:
+    """``--streaming``: islands streaming DiLoCo, 4 fragments, each merged period / 8 steps after its launch."""
+    if not args.streaming:
+        return []
+    return ["--layout", "islands", "--fragments", "4", "--overlap-steps", str(args.period // 8)]
+
+
 def _agent_time(stamp: str, near: float) -> float:
     """A torch elastic log time ("MMDD HH:MM:SS.ffffff", local time, no year) as unix time, in ``near``'s year."""
     year = datetime.fromtimestamp(near).year
@@ -103,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=None, help="processes per site (default 2; quick 1)")
     p.add_argument("--steps", type=int, default=None, help="LM steps (default 2000; quick 600)")
     p.add_argument("--period", type=int, default=32, help="DiLoCo period")
+    p.add_argument(
+        "--streaming", action="store_true", help="islands streaming DiLoCo (4 fragments, overlap period / 8)"
+    )
     p.add_argument("--at", type=float, default=None, help="seconds after the start to kill site 1 (default 45)")
     p.add_argument("--back", type=float, default=None, help="seconds after the start to bring it back (default 80)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run is abandoned")
@@ -110,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.devices = args.devices or (1 if args.quick else 2)
     args.steps = args.steps or (600 if args.quick else 2000)
+    if args.streaming and (args.period % 32 or args.devices < 2):
+        p.error("--streaming needs a --period that 32 divides and --devices >= 2 (islands)")
     at = args.at or (25.0 if args.quick else 45.0)
     back = args.back if args.back is not None else (45.0 if args.quick else 80.0)
     info = common.machine_info()
@@ -120,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     whole, dropped = rows
     print(f"# Losing a site under torchrun's elastic agent{' (QUICK)' if args.quick else ''}\n")
     print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=args.devices, steps=args.steps))
+    mode = f"islands streaming DiLoCo {args.period} (4 fragments, overlap {args.period // 8})" if args.streaming else ""
     print(
-        f"\nexamples/lm_fabric.py, DiLoCo period {args.period}, 2 sites x {args.devices} processes behind"
+        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, 2 sites x {args.devices} processes behind"
         f" {args.bandwidth}; site 1 killed at {at:.0f} s" + (f", back at {back:.0f} s" if back else "") + ".\n"
     )
 

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple, NoReturn
 
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -497,12 +498,14 @@ def fail(fabric: Fabric, message: str) -> NoReturn:
 class StopSignal:
     """SIGTERM asks for a checkpoint and a clean stop; :meth:`requested` makes every rank agree on when.
 
-    The agreement is one small allreduce, made only where the loop asks (every ``--log-every`` steps),
-    so the local steps in between stay free of collectives.
+    The agreement is one small allreduce per check (every ``--log-every`` steps), launched at a check and read
+    at the next one, so it never waits on the link: behind a slow one, a blocking allreduce would queue behind
+    the round in flight and stall every rank. A SIGTERM therefore stops the run one check after it arrived.
     """
 
     def __init__(self) -> None:
         self.received = False
+        self._vote: tuple[torch.Tensor, Any] | None = None  # this rank's flag and the allreduce summing it
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._handle)
 
@@ -510,8 +513,24 @@ class StopSignal:
         self.received = True
 
     def requested(self, fabric: Fabric) -> bool:
-        flag = torch.tensor([int(self.received)], device=fabric.device)
-        return bool(fabric.all_reduce(flag, reduce_op="sum").item()) if fabric.world_size > 1 else self.received
+        if fabric.world_size == 1:
+            return self.received
+        verdict = self._count() > 0
+        if not verdict:
+            flag = torch.tensor([int(self.received)], device=fabric.device)
+            self._vote = (flag, dist.all_reduce(flag, async_op=True))
+        return verdict
+
+    def close(self) -> None:
+        """Wait for the vote in flight (every rank launched it): nothing may be left half-issued at the end."""
+        self._count()
+
+    def _count(self) -> int:
+        if self._vote is None:
+            return 0
+        (flag, work), self._vote = self._vote, None
+        work.wait()
+        return int(flag.item())
 
 
 class Progress:

@@ -270,6 +270,7 @@ def train(args: argparse.Namespace) -> int | None:
                 checkpoint_due = False
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
+    stop.close()
     progress.close()
     save(args.steps, sync=False)  # leaving the block averaged already
     round_checkpoints = checkpointer.close()

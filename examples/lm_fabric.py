@@ -481,6 +481,7 @@ def train(args: argparse.Namespace) -> int | None:
             end = (time.perf_counter(), sent())
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
+    stop.close()
     end_round = (time.perf_counter() - end[0], sent() - end[1])
     progress.close()
     if fabric.is_global_zero:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from fabric_multimodel.collectives import ProcessGroup, group_ranks, group_size
+from fabric_multimodel.collectives import ProcessGroup, group_ranks
 from fabric_multimodel.families import is_instance
 from fabric_multimodel.quantized import CODE_DTYPES
 
@@ -129,8 +129,10 @@ def islands_layout(ddps: Sequence[DistributedDataParallel], group: ProcessGroup,
     a DDP whose group meets the averaging group in this rank alone (its node, when averaging
     across nodes) keeps synchronising every step; anything else is a mistake.
     """
-    if not ddps or group_size(group) == 1:
+    if not ddps:
         return False
+    # A group of one rank is islands too when DDP spans the node: the one node left of an elastic run, whose
+    # processes must keep synchronising.
     averaging = set(group_ranks(group))
     kinds = set()
     for ddp in ddps:

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from fabric_multimodel import Averager, setup_models
+from fabric_multimodel import Averager, Replica, replicas_in_sync, setup_models
 from fabric_multimodel.checkpoints import CheckpointWriter, load_checkpoint, replica_path
 from fabric_multimodel.collectives import broadcast_differences, tensors_fingerprint
 from tests.gan import collectives, mlp
@@ -174,3 +174,24 @@ def test_a_start_broadcasts_only_what_differs(worlds, which, broadcasts):
         assert [elements for _, elements in issued[1:]] == broadcasts
         assert all(name == "gloo:broadcast" for name, _ in issued[1:])
         assert sent.elements == sum(broadcasts) and equal and step == 2
+
+
+def one_node_left(fabric):
+    """The islands layout with a single node (what an elastic run shrinks to): DDP over the node, rounds over a
+    group of one. The node's processes must stay one replica, written by its first process."""
+    alone = [dist.new_group([rank]) for rank in range(fabric.world_size)][fabric.global_rank]
+    options = {"period": 4, "warmup_steps": 2, "outer_optimizer": NESTEROV, "process_group": alone}
+    model, optimizer, averager = build(fabric, options, False)
+    checks = []
+    with averager:
+        for step in range(1, 9):
+            train_step(fabric, model, optimizer, step)
+            averager.step()
+            checks.append(bool(replicas_in_sync(fabric, model)))
+    return averager.islands, averager.replica, checks
+
+
+def test_the_last_node_of_an_islands_run_stays_one_replica(worlds):
+    for rank, (islands, replica, checks) in enumerate(worlds(2).run(one_node_left)):
+        assert islands and replica == Replica(0, 1, rank == 0)
+        assert all(checks)  # DDP keeps synchronising inside the node in the local phase
