@@ -413,6 +413,7 @@ class Averager:
         parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None
         overlap = overlap_steps > 0
         options: dict[str, Any] = {"parts": parts, "overlap": overlap, "check_finite": check_finite, "mixing": mixing}
+        options["node_group"] = _node_of(ddps) if self.islands else None
         anchored: dict[str, Any] = {"error_feedback": error_feedback}
         self._round: Round
         if outer_optimizer is not None:
@@ -846,6 +847,12 @@ def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
                 f"Averager.load_state_dict: `{name}` must hold whole numbers in 0..{limit}, got {value!r}."
             )
     return list(values)
+
+
+def _node_of(ddps: Sequence[Any]) -> ProcessGroup:
+    """The group over which the islands' DDPs synchronise (the node), when they all share one; else None."""
+    groups = {tuple(dist.get_process_group_ranks(ddp.process_group)): ddp.process_group for ddp in ddps}
+    return next(iter(groups.values())) if len(groups) == 1 else None
 
 
 def _model_names(modules: Any) -> list[str] | None:

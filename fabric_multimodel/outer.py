@@ -45,6 +45,7 @@ class OuterRound(DeltaRound):
         order: Sequence[int] | None = None,
         mixing: float | None = None,
         error_feedback: bool = False,
+        node_group: ProcessGroup = None,
     ) -> None:
         super().__init__(
             storage,
@@ -56,6 +57,7 @@ class OuterRound(DeltaRound):
             check_finite=check_finite,
             mixing=mixing,
             error_feedback=error_feedback,
+            node_group=node_group,
         )
         #: The parameters' positions in the storage, in the modules' order (the order the factory sees).
         self.order = list(order) if order is not None else list(range(n_params))

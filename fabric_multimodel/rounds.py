@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_size
+from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_ranks, group_size
 from fabric_multimodel.flat import FlatStorage, Part
 from fabric_multimodel.quantized import CODE_DTYPES, QuantizedMean
 
@@ -133,12 +133,18 @@ class Round:
         comm_dtype: torch.dtype | None = None,
         in_place: bool,
         mixing: float | None = None,
+        node_group: ProcessGroup = None,
     ) -> None:
         self.group = group
         #: Overlapped merges: None keeps the local progress, ``global + (param - snapshot)``; a float ``a``
         #: mixes, ``(1 - a) * global + a * param`` (Streaming DiLoCo's rule).
         self.mixing = mixing
         self.world = group_size(group)
+        #: Islands: the processes of this rank's node, which hold the same replica. Each sends its 1/D slice of
+        #: a payload across the nodes, and the node's processes then exchange their slices (over the node's own
+        #: links): the bytes that cross nodes fall by D. 1: the whole payload.
+        self.slices = group_size(node_group) if node_group is not None and self.world > 1 else 1
+        self.node_group = node_group
         self.header = Header(group_rank(group), self.world)
         self.overlap = overlap
         self.check_finite = check_finite
@@ -208,8 +214,17 @@ class Round:
         return payload, self.send[0][sizes[0] : sizes[0] + head]
 
     def _transport(self, part: Part, payload: list[torch.Tensor], head: torch.Tensor) -> Any:
-        """What carries a round of ``part`` between the ranks: by default, a SUM allreduce of each payload buffer."""
-        return _Sum(payload, self.group, self.world)
+        """What carries a round of ``part`` between the ranks: by default, a SUM allreduce of each payload buffer
+        (with node slices: of this rank's slice of each; the header is the tail of the first, in the last slice)."""
+        if self.slices == 1:
+            return _Sum(payload, self.group, self.world)
+        mine = [self._slice(t) for t in payload]
+        return _NodeSlices(_Sum([t for t in mine if t.numel()], self.group, self.world), payload, self.node_group)
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``t`` among the node's processes."""
+        start, end = _bounds(t.numel(), self.slices, group_rank(self.node_group))
+        return t[start:end]
 
     @property
     def traffic(self) -> Traffic:
@@ -348,6 +363,7 @@ class MeanRound(Round):
         overlap: bool,
         check_finite: bool,
         mixing: float | None = None,
+        node_group: ProcessGroup = None,
     ) -> None:
         super().__init__(
             storage,
@@ -357,6 +373,7 @@ class MeanRound(Round):
             check_finite=check_finite,
             in_place=not overlap,
             mixing=mixing,
+            node_group=node_group,
         )
         self.snapshot = self.storage.mirror() if overlap else []
 
@@ -424,6 +441,7 @@ class DeltaRound(Round):
         check_finite: bool,
         mixing: float | None = None,
         error_feedback: bool = False,
+        node_group: ProcessGroup = None,
     ) -> None:
         dtypes = {flat.dtype for flat in storage.buffers}
         #: The code dtype of a quantized round (None: the payload is sent as it is, in ``comm_dtype``).
@@ -442,6 +460,7 @@ class DeltaRound(Round):
             comm_dtype=None if one_dtype else comm_dtype,
             in_place=in_place,
             mixing=mixing,
+            node_group=node_group,
         )
         self.phases = 2 if self.code_dtype is not None else 1
         self.n_params = n_params
@@ -457,16 +476,18 @@ class DeltaRound(Round):
     def _transport(self, part: Part, payload: list[torch.Tensor], head: torch.Tensor) -> Any:
         if self.code_dtype is None:
             return super()._transport(part, payload, head)
-        numel = sum(part.sizes)
+        data = self.send[0][: sum(part.sizes)]
+        mine = self._slice(data) if self.slices > 1 else data  # every slice's round carries the header
         mean = QuantizedMean(
-            numel,
+            mine.numel(),
             self.code_dtype,
             self.send[0].device,
             group=self.group,
             exact_numel=head.numel(),
             error_feedback=self._error_feedback,
         )
-        return _Quantized(mean, self.send[0][:numel], head)
+        quantized = _Quantized(mean, mine, head)
+        return quantized if self.slices == 1 else _NodeSlices(quantized, [data], self.node_group)
 
     def anchor_parameters(self, part: Part | None = None) -> None:
         """Anchor the parameters (of ``part``, default all) where they are now (identical on every rank under DDP).
@@ -633,6 +654,50 @@ class _Quantized:
     def finish(self) -> None:
         self._sent = False
         self.mean.finish()
+
+
+class _NodeSlices:
+    """Islands: ``inner`` carries this rank's slice of each payload tensor across the nodes; :meth:`finish` then
+    broadcasts every slice from its owner to the node's other processes (one broadcast per slice, inside the node).
+    ``traffic`` is what crossed: ``inner``'s."""
+
+    def __init__(self, inner: Any, whole: list[torch.Tensor], node_group: ProcessGroup) -> None:
+        self.inner, self.whole, self.node_group = inner, whole, node_group
+        self.owners = group_ranks(node_group)
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.inner.traffic
+
+    @property
+    def sums(self) -> bool:
+        return self.inner.sums
+
+    @property
+    def mean(self) -> QuantizedMean:
+        return self.inner.mean
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def exchange(self) -> None:
+        self.inner.exchange()
+
+    def finish(self) -> None:
+        self.inner.finish()
+        work = []
+        for t in self.whole:
+            for k, owner in enumerate(self.owners):
+                start, end = _bounds(t.numel(), len(self.owners), k)
+                if end > start:
+                    work.append(dist.broadcast(t[start:end], src=owner, group=self.node_group, async_op=True))
+        for w in work:
+            w.wait()
+
+
+def _bounds(numel: int, count: int, index: int) -> tuple[int, int]:
+    """Slice ``index`` of ``count`` nearly equal slices of ``numel`` elements."""
+    return index * numel // count, (index + 1) * numel // count
 
 
 def _isfinite(value: float) -> bool:

@@ -195,3 +195,46 @@ def test_the_last_node_of_an_islands_run_stays_one_replica(worlds):
     for rank, (islands, replica, checks) in enumerate(worlds(2).run(one_node_left)):
         assert islands and replica == Replica(0, 1, rank == 0)
         assert all(checks)  # DDP keeps synchronising inside the node in the local phase
+
+
+def two_nodes(fabric, options, steps):
+    """Four ranks as two nodes of two (DDP inside a node, rounds across): per step, whether the node's two
+    processes are identical; at the end, whether all four are, what crossed per rank and the replica."""
+    nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    node, peers = nodes[fabric.global_rank // 2], across[fabric.global_rank % 2]
+    torch.manual_seed(0)
+    (model,) = setup_models(fabric, m=mlp([3, 8, 8, 2]), process_group=node)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    averager = Averager(fabric, model, process_group=peers, **options)
+    same_in_node, issued = [], []
+    with averager:
+        for step in range(1, steps + 1):
+            train_step(fabric, model, optimizer, step)
+            issued += collectives(averager.step)
+            same_in_node.append(bool(replicas_in_sync(fabric, model, process_group=node)))
+    broadcasts = sum(name == "gloo:broadcast" for name, _ in issued)  # the slices exchanged inside the node
+    return averager.replica, all(same_in_node), everything(model), averager.traffic.bytes, broadcasts
+
+
+@given(
+    payload=st.sampled_from(["fp32", "bf16", "fp8", "fp4"]),
+    fragments=st.sampled_from([1, 2]),
+    overlap=st.sampled_from([0, 1]),
+)
+def test_islands_send_half_a_payload_per_process_and_stay_in_sync(worlds, payload, fragments, overlap):
+    options = {"period": 4, "warmup_steps": 2, "fragments": fragments, "overlap_steps": overlap}
+    options |= {"outer_optimizer": NESTEROV} | ({"comm_dtype": DTYPES[payload]} if DTYPES[payload] else {})
+    results = worlds(4).run(two_nodes, options, 11)
+    assert [r[0] for r in results] == [
+        Replica(0, 2, True),
+        Replica(0, 2, False),
+        Replica(1, 2, True),
+        Replica(1, 2, False),
+    ]
+    assert all(r[1] for r in results)  # DDP keeps each node one replica, rounds and merges included
+    assert len({r[2] for r in results}) == 1  # every replica leaves the block identical
+    sent = [r[3] for r in results]
+    assert sent[0] == sent[2] and sent[1] == sent[3] and min(sent) > 0  # each node's two processes split it
+    assert abs(sent[0] - sent[1]) <= 0.1 * sent[0]  # in halves (the header rides with one of them)
+    assert all(r[4] > 0 for r in results)

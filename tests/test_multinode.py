@@ -57,6 +57,11 @@ def test_groups_are_the_node_and_the_same_local_rank_across_nodes(ranks):
         assert r["across"] == [r["local_rank"], r["local_rank"] + 2]
 
 
+def halves(elements: int) -> list[int]:
+    """What the first and the second process of a node send of a payload: its first half, and the rest."""
+    return [elements // 2, elements - elements // 2]
+
+
 @pytest.mark.parametrize("layout", ["islands", "islands-diloco"])
 def test_islands_keep_each_node_identical_every_step_and_all_after_rounds(ranks, layout):
     runs = [r["layouts"][layout] for r in ranks]
@@ -76,14 +81,16 @@ def test_islands_keep_each_node_identical_every_step_and_all_after_rounds(ranks,
         if not scheduled:  # between rounds (and in warm-up, from the same start) the nodes drift apart
             assert entries[0]["params"] != entries[2]["params"], i
     assert len({run["final"] for run in runs}) == 1  # leaving the block: every replica identical
-    # Bytes across nodes: each round sends the parameters and a header of 2 ranks, in fp32. Step 14
+    # Bytes across nodes: each round sends the parameters and a header of 2 ranks, in fp32, split between
+    # the node's two processes (each sends its half; they exchange the halves inside the node). Step 14
     # was a round, so the plain layout's exit round changes nothing (not counted) but is sent; the
     # overlapped one still had its last round's local progress to average.
     header = Header.SLOTS * 2
-    for run in runs:
+    for node in (runs[:2], runs[2:]):
         sent_without_a_round = 1 if layout == "islands" else 0
-        assert run["node_bytes"] == 0
-        assert run["bytes"] == (run["rounds"] + sent_without_a_round) * 4 * (run["params"] + header)
+        assert all(run["node_bytes"] == 0 for run in node)
+        rounds = node[0]["rounds"] + sent_without_a_round
+        assert [run["bytes"] for run in node] == [rounds * 4 * half for half in halves(node[0]["params"] + header)]
 
 
 def test_islands_stream_fragments_warm_up_apart_and_start_with_a_plain_mean(ranks):
@@ -107,7 +114,7 @@ def test_islands_stream_fragments_warm_up_apart_and_start_with_a_plain_mean(rank
         for t in tensors_of[fragment]:
             assert len({e["tensors"][t] for e in others}) == 1, (step, t)
         sizes = [len(values) for values in entry["before"]]
-        assert entry["bytes"] - bytes_before == 4 * (sum(sizes[t] for t in tensors_of[fragment]) + header)
+        assert entry["bytes"] - bytes_before == 4 * halves(sum(sizes[t] for t in tensors_of[fragment]) + header)[0]
         bytes_before = entry["bytes"]
         if step == first[fragment]:  # no anchor is shared yet: the mean of the nodes, no outer step
             for t in tensors_of[fragment]:
