@@ -12,8 +12,9 @@ runs at every bandwidth as S sites of ``--devices`` processes each, one network 
   ``t`` is the no-communication iteration time, ``G`` a synchronous step's gradient bytes per rank, ``P``
   a round's bytes per rank, ``R`` the measured link rate, ``hidden`` the steps a round overlaps with, and
   ``f`` how many times each rank's bytes cross one direction of the link: ``2 (W - 1) / W`` for a ring
-  allreduce over all W ranks (one link crossing per direction), ``D`` for the islands layout (the D pairs
-  of ranks that average across sites share the link), and the same for a quantized round (all-to-all plus
+  allreduce over all W ranks (one link crossing per direction), ``2 (S - 1) / S`` for the islands layout
+  over S sites (each of a site's D processes sends its 1/D slice, so the link carries the payload once), and
+  the same for a quantized round (all-to-all plus
   all-gather move what a ring does).
 - **Runs-too-long guard**: a run the model predicts to exceed ``--run-budget`` seconds runs for fewer steps,
   and its row says so.
@@ -130,8 +131,8 @@ def floor_setting(steps: int) -> SiteSetting:
 def crossing_factor(setting: SiteSetting, sites: int, devices: int, synchronous: bool) -> float:
     """How many times each rank's bytes cross one direction of a site's link (see the module docstring)."""
     world = sites * devices
-    if setting.islands and not synchronous:
-        return float(devices)
+    if setting.islands and not synchronous:  # the D processes of a site each send 1/D of the payload
+        return 2 * (sites - 1) / sites
     return 2 * (world - 1) / world
 
 
