@@ -262,6 +262,7 @@ def train(args: argparse.Namespace) -> int | None:
                 fabric.log_dict(metrics, step=step)
                 if step < args.steps and stop.requested(fabric):
                     path = save(step)
+                    checkpointer.close()  # the write may be in the background: it must land before the exit
                     fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
                     return 143
             checkpoint_due |= bool(args.checkpoint_every) and step % args.checkpoint_every == 0
