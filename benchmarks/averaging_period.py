@@ -674,12 +674,16 @@ def report_sites(
         " namespaces joined by tbf-limited links, `fabric_multimodel.sites`); warm-up"
         f" {warmup}; checkpoints {policy}. Utilisation: the faster of two no-communication runs (at the start and"
         f" the end of the sweep), {floor['wall_s'] / args.steps * 1e3:.1f} ms per iteration, times the steps, over"
-        " the run's wall-clock. Crossing bytes: per rank and iteration, the"
+        " the run's wall-clock; vs unlimited link: the same setting's time per iteration with no limit, over this"
+        " one's (what the link costs alone). Crossing bytes: per rank and iteration, the"
         " collectives over groups that span sites."
         + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
         + " Model: the cost model's wall-clock (benchmarks/site_sweep.py) from the measured link rate.\n"
     )
-    headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "crossing B/iter"]
+    # The same setting on an unlimited link: what it costs besides the link (DDP inside a site, the rounds' own work).
+    unlimited = {r["setting"]: r["wall_s"] / r["steps"] for r in runs if r["bandwidth"] == "none"}
+    headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "vs unlimited link"]
+    headers += ["crossing B/iter"]
     headers += ["val loss", "to target s"] if task is LM else ["modes", "high quality"]
     headers += ["model wall s (error)"]
     table = []
@@ -691,6 +695,7 @@ def report_sites(
             f"{r['wall_s']:.1f}",
             f"{r['iter_ms_mean']:.1f}",
             f"{100 * r['utilisation']:.0f}%",
+            f"{100 * unlimited[r['setting']] * r['steps'] / r['wall_s']:.0f}%" if r["setting"] in unlimited else "-",
             f"{r['crossing_bytes_per_iter']:,.0f}",
         ]
         if task is LM:
