@@ -31,6 +31,7 @@ from fabric_multimodel.collectives import (
     broadcast_differences,
     check_member,
     describe_disagreement,
+    extremes,
     fingerprint,
     group_rank,
     group_ranks,
@@ -162,10 +163,7 @@ def replicas_in_sync(
     local = [tensors_fingerprint(params), tensors_fingerprint(buffer_list), int(not finite)]
     if group_size(process_group) == 1:
         return SyncReport(True, True, finite, buffers)
-    # MAX over (v, -v) pairs gives (max, -min) of each value in one call: equal iff max == min.
-    pairs = torch.tensor([v for value in local for v in (value, -value)], dtype=torch.int64, device=fabric.device)
-    dist.all_reduce(pairs, op=dist.ReduceOp.MAX, group=process_group)
-    top, bottom = pairs[0::2].tolist(), (-pairs[1::2]).tolist()
+    top, bottom = extremes(local, fabric.device, process_group)
     return SyncReport(top[0] == bottom[0], top[1] == bottom[1], top[2] == 0, buffers)
 
 
@@ -620,7 +618,7 @@ class Averager:
         if self.islands:
             state["fresh_fragments"] = sorted(self._fresh)
         if isinstance(self._round, DeltaRound):
-            state.update(self._round.state_dict(), replica=group_rank(self.process_group))
+            state.update(self._round.state_dict(), replica=self.replica.index)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -667,7 +665,7 @@ class Averager:
             values["steps"],
             "fragments_synced_at",
         )
-        saved_by = state_dict.get("replica", group_rank(self.process_group))
+        saved_by = state_dict.get("replica", self.replica.index)
         if isinstance(saved_by, bool) or not isinstance(saved_by, int) or saved_by < 0:
             raise ValueError(f"Averager.load_state_dict: `replica` must be a whole number >= 0, got {saved_by!r}.")
         fresh = state_dict.get("fresh_fragments", [])
@@ -685,7 +683,7 @@ class Averager:
         self._synced_at = synced_at
         self._fresh = set(fresh)
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
-        if isinstance(self._round, DeltaRound) and saved_by != group_rank(self.process_group) and self.local:
+        if isinstance(self._round, DeltaRound) and saved_by != self.replica.index and self.local:
             # Another replica's checkpoint (this one has none at that step, or the world changed): start
             # from the global model, not from a copy of that replica's local progress.
             for fragment, part in enumerate(self._round.parts):

@@ -144,6 +144,22 @@ def _buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterator[lis
         yield bucket
 
 
+def extremes(values: Sequence[int], device: torch.device, group: ProcessGroup = None) -> tuple[list[int], list[int]]:
+    """The largest and the smallest of each 64-bit value over the ranks of ``group``. One small allreduce.
+
+    Example::
+
+        top, bottom = extremes([checksum], fabric.device)
+        same_everywhere = top == bottom
+    """
+    if group_size(group) == 1:
+        return list(values), list(values)
+    # MAX of (v, -v) yields (max, -min) in one call.
+    pairs = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.int64, device=device)
+    dist.all_reduce(pairs, op=dist.ReduceOp.MAX, group=group)
+    return pairs[0::2].tolist(), (-pairs[1::2]).tolist()
+
+
 def all_ranks_agree(value: int, device: torch.device, group: ProcessGroup = None) -> bool:
     """True when every rank of ``group`` passed the same 64-bit ``value``. One small allreduce.
 
@@ -155,12 +171,8 @@ def all_ranks_agree(value: int, device: torch.device, group: ProcessGroup = None
         if not all_ranks_agree(fingerprint(str(shapes)), fabric.device):
             raise ValueError("models differ across ranks")
     """
-    if group_size(group) == 1:
-        return True
-    # MAX of (v, -v) yields (max, -min) in one call: all equal iff max == min.
-    pair = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
-    return bool(pair[0] == -pair[1])
+    top, bottom = extremes([value], device, group)
+    return top == bottom
 
 
 def describe_disagreement(description: str, device: torch.device, group: ProcessGroup = None) -> str | None:
@@ -219,10 +231,7 @@ def broadcast_differences(
     if group_size(group) == 1 or not pieces:
         return Traffic()
     local = [tensors_fingerprint([flats[b][offset : offset + numel]]) for b, offset, numel in pieces]
-    # MAX over (v, -v) pairs gives (max, -min) of each value in one call: equal iff max == min.
-    pairs = torch.tensor([v for value in local for v in (value, -value)], dtype=torch.int64, device=device)
-    dist.all_reduce(pairs, op=dist.ReduceOp.MAX, group=group)
-    top, bottom = pairs[0::2].tolist(), (-pairs[1::2]).tolist()
+    top, bottom = extremes(local, device, group)
     spans: dict[int, tuple[int, int]] = {}
     for (b, offset, numel), high, low in zip(pieces, top, bottom):
         if high != low:

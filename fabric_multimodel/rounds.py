@@ -662,8 +662,16 @@ class _NodeSlices:
     ``traffic`` is what crossed: ``inner``'s."""
 
     def __init__(self, inner: Any, whole: list[torch.Tensor], node_group: ProcessGroup) -> None:
-        self.inner, self.whole, self.node_group = inner, whole, node_group
-        self.owners = group_ranks(node_group)
+        self.inner, self.node_group = inner, node_group
+        owners = group_ranks(node_group)
+        # Every slice of every payload tensor with the global rank that owns it (views made once, not per round).
+        self._slices = [
+            (t[start:end], owner)
+            for t in whole
+            for k, owner in enumerate(owners)
+            for start, end in [_bounds(t.numel(), len(owners), k)]
+            if end > start
+        ]
 
     @property
     def traffic(self) -> Traffic:
@@ -685,12 +693,7 @@ class _NodeSlices:
 
     def finish(self) -> None:
         self.inner.finish()
-        work = []
-        for t in self.whole:
-            for k, owner in enumerate(self.owners):
-                start, end = _bounds(t.numel(), len(self.owners), k)
-                if end > start:
-                    work.append(dist.broadcast(t[start:end], src=owner, group=self.node_group, async_op=True))
+        work = [dist.broadcast(piece, src=owner, group=self.node_group, async_op=True) for piece, owner in self._slices]
         for w in work:
             w.wait()
 
