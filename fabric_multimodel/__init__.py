@@ -13,6 +13,7 @@ Example::
 
 from fabric_multimodel.averaging import Averager, Replica, SyncReport, average_models, replicas_in_sync
 from fabric_multimodel.collectives import Traffic
+from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.frozen import frozen
 from fabric_multimodel.groups import NodeGroups, node_groups
 from fabric_multimodel.models import Models, ddp_of, setup_models
@@ -20,6 +21,7 @@ from fabric_multimodel.rounds import AveragingError, NonFiniteError
 
 __all__ = [
     "Averager",
+    "AveragerConfig",
     "AveragingError",
     "Models",
     "NodeGroups",

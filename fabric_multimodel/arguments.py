@@ -1,4 +1,5 @@
-"""The `Averager`'s and `ModelAveraging`'s arguments, checked before anything is built.
+"""The `Averager`'s arguments beyond its :class:`~fabric_multimodel.config.AveragerConfig` (the modules, the
+optimizers, the groups), checked before anything is built.
 
 Every rank runs these checks on its own arguments before any collective, so a mistake is one clear error on every
 rank instead of a hang. Each error names the argument and the fix.
@@ -9,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -17,61 +17,6 @@ from torch.optim import Optimizer
 
 from fabric_multimodel.collectives import ProcessGroup, group_ranks
 from fabric_multimodel.families import is_instance
-from fabric_multimodel.quantized import CODE_DTYPES
-
-
-def check_options(
-    period: Any,
-    warmup_steps: Any,
-    overlap_steps: Any,
-    average_buffers: Any,
-    check_finite: Any,
-    comm_dtype: Any,
-    outer_optimizer: Any,
-    mixing: Any = None,
-    error_feedback: Any = False,
-    caller: str = "Averager",
-) -> None:
-    """The schedule's and the round's options, checked before anything is built (the Trainer callback too)."""
-    check_int("period", period, minimum=1, caller=caller)
-    check_int("warmup_steps", warmup_steps, minimum=0, caller=caller)
-    check_int("overlap_steps", overlap_steps, minimum=0, caller=caller)
-    for name, flag in [
-        ("average_buffers", average_buffers),
-        ("check_finite", check_finite),
-        ("error_feedback", error_feedback),
-    ]:
-        if not isinstance(flag, bool):
-            raise TypeError(f"{caller}: `{name}` must be True or False, got {flag!r}.")
-    if overlap_steps >= period:
-        raise ValueError(
-            f"{caller}: `overlap_steps` ({overlap_steps}) must be smaller than `period` ({period}), so that a"
-            " round is merged before the next one starts."
-        )
-    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-        raise TypeError(
-            f"{caller}: `comm_dtype` must be a floating torch.dtype such as torch.bfloat16 (or, for block-quantized"
-            " rounds, torch.float8_e4m3fn, torch.float8_e5m2 or torch.float4_e2m1fn_x2), or None; got"
-            f" {comm_dtype!r}."
-        )
-    if error_feedback and comm_dtype not in CODE_DTYPES:
-        raise ValueError(
-            f"{caller}: `error_feedback` keeps what block quantization drops; it needs a low-bit `comm_dtype`"
-            f" (torch.float8_e4m3fn, torch.float8_e5m2 or torch.float4_e2m1fn_x2), got {comm_dtype!r}."
-        )
-    if isinstance(outer_optimizer, Optimizer):
-        raise TypeError(
-            f"{caller}: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
-            " given, not an optimizer: e.g."
-            " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
-        )
-    if mixing is not None:
-        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing <= 1:
-            raise ValueError(f"{caller}: `mixing` must be a number in [0, 1] or None, got {mixing!r}.")
-        if not overlap_steps:
-            raise ValueError(
-                f"{caller}: `mixing` sets how overlapped rounds merge; set `overlap_steps` too, or drop `mixing`."
-            )
 
 
 def check_fragments(count: int, period: int, overlap_steps: int, optimizers: Sequence[Optimizer]) -> None:
@@ -92,33 +37,12 @@ def check_fragments(count: int, period: int, overlap_steps: int, optimizers: Seq
         )
 
 
-def check_two_levels(
-    period: int,
-    node_period: Any,
-    node_group: ProcessGroup,
-    outer_optimizer: Any,
-    comm_dtype: Any,
-    overlap_steps: int,
-    fragments: Any,
-) -> None:
-    if node_period is None:
-        if node_group is not None:
-            raise ValueError("Averager: `node_group` is only used with `node_period`; pass both or neither.")
-        return
-    check_int("node_period", node_period, minimum=1)
-    if node_group is None:
+def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:
+    if node_period is None and node_group is not None:
+        raise ValueError("Averager: `node_group` is only used with `node_period`; pass both or neither.")
+    if node_period is not None and node_group is None:
         raise ValueError(
             "Averager: `node_period` needs `node_group`, the group of this rank's node (node_groups(fabric).node)."
-        )
-    if period % node_period or node_period == period:
-        raise ValueError(
-            f"Averager: `period` ({period}) must be a multiple of `node_period` ({node_period}), and larger: a round"
-            " across the world every `period` steps, inside the node every `node_period` steps in between."
-        )
-    if outer_optimizer is not None or comm_dtype is not None or overlap_steps or fragments != 1:
-        raise ValueError(
-            "Averager: two-level averaging (`node_period`) is plain, blocking averaging; drop outer_optimizer,"
-            " comm_dtype, overlap_steps and fragments, or use the islands layout (DDP inside the node) for those."
         )
 
 
@@ -160,25 +84,52 @@ def islands_layout(ddps: Sequence[DistributedDataParallel], group: ProcessGroup,
     return "islands" in kinds
 
 
-def check_replicated(module: nn.Module) -> None:
-    """Averaging needs a whole replica per rank: refuse sharded models (FSDP, DeepSpeed, tensor parallel)."""
-    from torch.distributed.tensor import DTensor
+def check_replicated(module: nn.Module) -> bool:
+    """Averaging needs a whole replica per rank, or an FSDP2 shard of one (``fully_shard`` over a 1-D mesh, the
+    rank's site); True for a shard. Anything else that shards the model (FSDP1, DeepSpeed, tensor or hybrid
+    parallel) is a TypeError."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
 
     forward = module._forward_module if is_instance(module, "wrappers._FabricModule") else module
     forward = getattr(forward, "_orig_mod", forward)
+    dtensors = [p for p in module.parameters() if isinstance(p, DTensor)]
+    if isinstance(forward, FSDPModule):
+        if len(dtensors) == len(list(module.parameters())) and all(
+            p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) for p in dtensors
+        ):
+            return True
+        raise TypeError(
+            f"Averager: {type(forward).__name__} is sharded over a mesh of more than one dimension (HSDP, or FSDP"
+            " with tensor parallel); shard each model over its site only (setup_models(..., shard=group)) and"
+            " average across sites with the Averager's process_group."
+        )
     wrapped = isinstance(forward, DistributedDataParallel) or forward is plain_module(module)
-    if not wrapped or any(isinstance(p, DTensor) for p in module.parameters()):
+    if not wrapped or dtensors:
         raise TypeError(
             f"Averager: {type(forward).__name__} holds a shard of the model on each rank, not a replica; averaging"
-            " needs DDP (or single-device) models: set them up with setup_models under a DDP strategy."
+            " needs DDP, single-device or FSDP2 (fully_shard) models: set them up with setup_models."
         )
+    return False
 
 
-def check_int(name: str, value: Any, minimum: int, caller: str = "Averager") -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{caller}: `{name}` must be an int >= {minimum}, got {value!r} ({type(value).__name__}).")
-    if value < minimum:
-        raise ValueError(f"{caller}: `{name}` must be >= {minimum}, got {value}.")
+def check_sharded_layout(modules: Sequence[nn.Module], group: ProcessGroup) -> None:
+    """FSDP2 models must shard over a group that meets the averaging group in this rank alone (the site, when
+    averaging across sites): a round then averages each shard with the same shard of the other sites."""
+    from torch.distributed.tensor import DTensor
+
+    averaging = set(group_ranks(group))
+    for module in modules:
+        for p in module.parameters():
+            assert isinstance(p, DTensor)
+            ranks = set(dist.get_process_group_ranks(p.device_mesh.get_group()))
+            if ranks & averaging != {dist.get_rank()}:
+                raise ValueError(
+                    f"Averager: a sharded module's shards live on ranks {sorted(ranks)} and this Averager averages"
+                    f" over {sorted(averaging)}; average across sites, one rank per site holding the same shard:"
+                    " process_group=node_groups(fabric).across with setup_models(..., shard=node_groups(fabric).node)."
+                )
+            break  # one mesh per module (fully_shard's)
 
 
 def as_module_list(modules: Any, caller: str) -> list[nn.Module]:

@@ -17,10 +17,10 @@ from torch.optim import Optimizer
 from fabric_multimodel.arguments import (
     as_module_list,
     check_fragments,
+    check_node_group,
     check_optimizers,
-    check_options,
     check_replicated,
-    check_two_levels,
+    check_sharded_layout,
     islands_layout,
     plain_module,
 )
@@ -38,11 +38,12 @@ from fabric_multimodel.collectives import (
     group_size,
     tensors_fingerprint,
 )
+from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.families import is_instance
 from fabric_multimodel.flat import FlatStorage
-from fabric_multimodel.fragments import Fragments, fragment_indices
+from fabric_multimodel.fragments import fragment_indices
 from fabric_multimodel.models import Models, ddp_of
-from fabric_multimodel.outer import OuterOptimizerFactory, OuterRound
+from fabric_multimodel.outer import OuterRound
 from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
 from fabric_multimodel.schedule import Event, Schedule
 
@@ -90,6 +91,7 @@ def average_models(
     optimizer_list = check_optimizers(optimizers, "average_models")
     check_member(process_group, "average_models")
     tensors, names, _ = _averaged_tensors(module_list, average_buffers)
+    tensors = [_local(t) for t in tensors]
     traffic = all_reduce_mean_(tensors, process_group)
     if check_finite and group_size(process_group) > 1:
         sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors])
@@ -290,20 +292,12 @@ class Averager:
     Args:
         fabric: the launched Fabric (only its ``device`` is read; the Trainer adapter passes its LightningModule).
         modules: a module, an iterable of modules, or the :class:`Models` of :func:`setup_models`.
-        period: average every ``period`` steps after warm-up.
-        warmup_steps: synchronous steps before local steps begin.
-        average_buffers: also average floating-point buffers (BatchNorm running statistics).
+        config: what the averager does, an :class:`~fabric_multimodel.AveragerConfig` (period, warm-up, DiLoCo's
+            outer optimizer, payload dtype, overlap, fragments, ...); or pass its fields as keyword ``options``.
         optimizers: optimizers whose floating-point state (momentum, Adam moments) is averaged too.
         process_group: the group to average over; the default group when None.
-        outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
-        comm_dtype: the floating dtype of the payload; None sends the parameters' own dtype.
-        overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch.
-        check_finite: raise on every rank when a round's payload holds NaN or Inf (one extra read
-            of the payload per round).
-        node_period, node_group: two-level averaging: a round inside ``node_group`` every ``node_period`` steps.
-        fragments: 1 for rounds of everything; ``F`` (or a list of parameter groups) for streaming rounds.
-        mixing: None to keep the local progress in overlapped merges; ``a`` in [0, 1] to mix.
-        error_feedback: with a low-bit ``comm_dtype``, add back what each rank's quantization dropped.
+        node_group: two-level averaging (``node_period``): the group of this rank's node.
+        options: fields of :class:`~fabric_multimodel.AveragerConfig`, replacing those of ``config``.
 
     Example::
 
@@ -317,40 +311,26 @@ class Averager:
             ...
 
         # Streaming DiLoCo: a quarter of the model every 32 steps, each merged 8 steps later
-        Averager(fabric, model, period=128, outer_optimizer=diloco, fragments=4, overlap_steps=8)
+        streaming = AveragerConfig(period=128, outer_optimizer=diloco, fragments=4, overlap_steps=8)
+        Averager(fabric, model, streaming)
     """
 
     def __init__(
         self,
         fabric: Fabric | HasDevice,
         modules: Modules,
+        config: AveragerConfig | None = None,
+        /,
         *,
-        period: int,
-        warmup_steps: int = 0,
-        average_buffers: bool = True,
         optimizers: Sequence[Optimizer] = (),
         process_group: ProcessGroup = None,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        comm_dtype: torch.dtype | None = None,
-        overlap_steps: int = 0,
-        check_finite: bool = True,
-        node_period: int | None = None,
         node_group: ProcessGroup = None,
-        fragments: Fragments = 1,
-        mixing: float | None = None,
-        error_feedback: bool = False,
+        **options: Any,
     ) -> None:
-        check_options(
-            period,
-            warmup_steps,
-            overlap_steps,
-            average_buffers,
-            check_finite,
-            comm_dtype,
-            outer_optimizer,
-            mixing,
-            error_feedback,
-        )
+        #: What this averager does: the ``config`` passed, with the keyword ``options`` replaced.
+        self.config = config = AveragerConfig.build(config, options, "Averager")
+        period, warmup_steps, overlap_steps = config.period, config.warmup_steps, config.overlap_steps
+        node_period, outer_optimizer, comm_dtype = config.node_period, config.outer_optimizer, config.comm_dtype
         module_list = as_module_list(modules, "Averager")
         optimizers = check_optimizers(optimizers, "Averager")
         if overlap_steps and optimizers:
@@ -358,7 +338,7 @@ class Averager:
                 "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
                 " stays local, as in DiLoCo, when `optimizers` is empty)."
             )
-        check_two_levels(period, node_period, node_group, outer_optimizer, comm_dtype, overlap_steps, fragments)
+        check_node_group(node_period, node_group)
         check_member(process_group, "Averager")
         check_member(node_group, "Averager")
         if group_size(process_group) > 1:
@@ -368,13 +348,23 @@ class Averager:
                         f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
                         " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
                     )
-                check_replicated(module)
+        shards = [check_replicated(module) for module in module_list]
+        #: True when the modules are FSDP2 shards (``fully_shard`` inside each site): a round averages this
+        #: rank's shard with the same shard of the other sites, and the sites' own reduce-scatters go on every step.
+        self.sharded = any(shards)
+        if self.sharded:
+            if not all(shards) or node_period:
+                raise ValueError(
+                    "Averager: with FSDP2 models, shard every model (setup_models(..., shard=group) shards all) and"
+                    " average across sites without `node_period` (a round inside a site has nothing to average)."
+                )
+            check_sharded_layout(module_list, process_group)
         ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
-        #: True when the modules' DDP synchronises inside each node and rounds average across nodes.
-        self.islands = islands_layout(ddps, process_group, node_period)
+        #: True when the modules synchronise inside each node (DDP, or FSDP2 shards) and rounds average across nodes.
+        self.islands = self.sharded or islands_layout(ddps, process_group, node_period)
         self.period = period
         self.warmup_steps = warmup_steps
-        self.average_buffers = average_buffers
+        self.average_buffers = config.average_buffers
         self.optimizers = list(optimizers)
         self.process_group = process_group
         self.overlap_steps = overlap_steps
@@ -397,8 +387,8 @@ class Averager:
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
         self._ddps = [] if self.islands else ddps  # the DDPs this averager switches off after warm-up
 
-        tensors, names, n_params = _averaged_tensors(module_list, average_buffers, _model_names(modules))
-        groups = fragment_indices(tensors[:n_params], names[:n_params], fragments)
+        tensors, names, n_params = _averaged_tensors(module_list, config.average_buffers, _model_names(modules))
+        groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
         check_fragments(len(groups), period, overlap_steps, self.optimizers)
         #: The number of fragments; a round covers one.
         self.fragments = len(groups)
@@ -406,17 +396,20 @@ class Averager:
         # Each fragment's parameters next to each other in the flat storage (buffers last, with the last
         # fragment), so that a fragment is one range of each flat buffer.
         placed = [i for group in groups for i in group]
-        tensors = [tensors[i] for i in placed] + tensors[n_params:]
+        # Fragments are cut by the whole parameters, so that every rank of a site cuts the same; a round
+        # averages what this rank holds of each.
+        tensors = [_local(tensors[i]) for i in placed] + tensors[n_params:]
         names = [names[i] for i in placed] + names[n_params:]
         largest = max(group_size(process_group), group_size(node_group) if node_period else 1)
-        storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest)
+        # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy, synced around each use.
+        storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest, rehome=not self.sharded)
         ends = list(itertools.accumulate(len(group) for group in groups))
         ends[-1] = len(tensors)
         parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None
         overlap = overlap_steps > 0
-        options: dict[str, Any] = {"parts": parts, "overlap": overlap, "check_finite": check_finite, "mixing": mixing}
-        options["node_group"] = _node_of(ddps) if self.islands else None
-        anchored: dict[str, Any] = {"error_feedback": error_feedback}
+        shared: dict[str, Any] = {"parts": parts, "overlap": overlap, "check_finite": config.check_finite}
+        shared.update(mixing=config.mixing, node_group=_node_of(ddps) if self.islands and ddps else None)
+        anchored: dict[str, Any] = {"error_feedback": config.error_feedback}
         self._round: Round
         if outer_optimizer is not None:
             order = sorted(range(n_params), key=placed.__getitem__)  # storage positions, in the modules' order
@@ -427,13 +420,13 @@ class Averager:
                 outer_optimizer=outer_optimizer,
                 comm_dtype=comm_dtype,
                 order=order,
-                **options,
+                **shared,
                 **anchored,
             )
         elif comm_dtype is not None:
-            self._round = DeltaRound(storage, n_params, process_group, comm_dtype=comm_dtype, **options, **anchored)
+            self._round = DeltaRound(storage, n_params, process_group, comm_dtype=comm_dtype, **shared, **anchored)
         else:
-            self._round = MeanRound(storage, process_group, **options)
+            self._round = MeanRound(storage, process_group, **shared)
         self.schedule = Schedule(
             period,
             warmup_steps,
@@ -447,13 +440,10 @@ class Averager:
         # Islands: the fragments whose next round is their first across the nodes (a plain mean).
         self._fresh: set[int] = set()
         self._node_round = (
-            MeanRound(storage, node_group, overlap=False, check_finite=check_finite) if node_period else None
+            MeanRound(storage, node_group, overlap=False, check_finite=config.check_finite) if node_period else None
         )
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
-        settings: tuple[Any, ...]
-        settings = (period, warmup_steps, average_buffers, len(self.optimizers), outer_optimizer is not None)
-        settings += (str(comm_dtype), overlap_steps, check_finite, node_period, self.islands, ends, mixing)
-        settings += (error_feedback,)
+        settings = (config.agreement(), len(self.optimizers), self.islands, ends)
         problem = describe_disagreement(repr((layout, settings)), fabric.device, process_group)
         if problem:
             raise ValueError(
@@ -468,9 +458,10 @@ class Averager:
             # DDP made every node's replicas identical, not the nodes': start them all from the same
             # values, as DDP does for its own group (and the anchors with them). Nodes built from one
             # seed already agree, and then nothing but a checksum crosses the link.
-            self.start_traffic = broadcast_differences(storage.buffers, storage.slots, fabric.device, process_group)
-            if isinstance(self._round, DeltaRound):
-                self._round.anchor_parameters()
+            with storage.synced():
+                self.start_traffic = broadcast_differences(storage.buffers, storage.slots, self._device, process_group)
+                if isinstance(self._round, DeltaRound):
+                    self._round.anchor_parameters()
         # Islands: the node's processes hold one replica between them; the first one writes it.
         self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in ddps)
 
@@ -491,11 +482,12 @@ class Averager:
             if exc_type is not None:
                 self._discard_pending()
             else:
-                self._finish_pending()
-                # In the local phase every rank ends with a round, needed or not (then it changes
-                # nothing): it carries each rank's step() count, so a schedule that drifted apart
-                # is an error on every rank instead of one rank waiting for a round nobody else starts.
-                self._round_everything()
+                with self._round.storage.synced():
+                    self._finish_pending()
+                    # In the local phase every rank ends with a round, needed or not (then it changes
+                    # nothing): it carries each rank's step() count, so a schedule that drifted apart
+                    # is an error on every rank instead of one rank waiting for a round nobody else starts.
+                    self._round_everything()
         finally:
             for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
                 ddp.require_backward_grad_sync = grad_sync
@@ -572,8 +564,11 @@ class Averager:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
         started = False
-        for event in self.schedule.at(self.steps):
-            started |= self._actions[event.kind](event)
+        events = self.schedule.at(self.steps)
+        if events:
+            with self._round.storage.synced():
+                for event in events:
+                    started |= self._actions[event.kind](event)
         if self.steps <= self.warmup_steps and not self.islands and not self._has_buffers:
             # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
             # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
@@ -590,8 +585,9 @@ class Averager:
             averager.sync()
             fabric.save("ckpt.pt", {"gen": gen, "opt_g": opt_g, "averager": averager})
         """
-        self._finish_pending()
-        self._round_everything()
+        with self._round.storage.synced():
+            self._finish_pending()
+            self._round_everything()
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's counters (plain ints) and, for anchored rounds, the anchor, the outer optimizer and the
@@ -605,7 +601,8 @@ class Averager:
 
             fabric.save("ckpt.pt", {"averager": averager, "gen": gen})
         """
-        self._finish_pending()
+        with self._round.storage.synced():
+            self._finish_pending()
         state: dict[str, Any] = {
             "steps": self.steps,
             "rounds": self.rounds,
@@ -686,9 +683,10 @@ class Averager:
         if isinstance(self._round, DeltaRound) and saved_by != self.replica.index and self.local:
             # Another replica's checkpoint (this one has none at that step, or the world changed): start
             # from the global model, not from a copy of that replica's local progress.
-            for fragment, part in enumerate(self._round.parts):
-                if fragment not in self._fresh:
-                    self._round.restore_parameters(part)
+            with self._round.storage.synced():
+                for fragment, part in enumerate(self._round.parts):
+                    if fragment not in self._fresh:
+                        self._round.restore_parameters(part)
         if self._ddp_settings is not None:
             self._apply_phase()
 
@@ -862,13 +860,22 @@ def _model_names(modules: Any) -> list[str] | None:
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return list({id(t): t for t in tensors}.values())
+    """Each tensor once; an FSDP2 parameter as this rank's shard."""
+    return [_local(t) for t in {id(t): t for t in tensors}.values()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: an FSDP2 parameter's shard (a view of FSDP's own storage), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().detach() if isinstance(t, DTensor) else t
 
 
 def _averaged_tensors(
     modules: Sequence[nn.Module], average_buffers: bool, model_names: Sequence[str] | None = None
 ) -> tuple[list[torch.Tensor], list[str], int]:
-    """The tensors a round averages, their names (``model.layer.weight``), and how many are parameters (first)."""
+    """The tensors a round averages (FSDP2 parameters whole, as DTensors), their names (``model.layer.weight``),
+    and how many are parameters (first)."""
     prefixes = model_names or ([""] if len(modules) == 1 else [f"modules[{i}]" for i in range(len(modules))])
     seen: dict[int, tuple[torch.Tensor, str]] = {}
     for kind in ("parameters", "buffers"):

@@ -7,7 +7,8 @@ consecutive tensors (a fragment of the model): one contiguous range of each buff
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -20,13 +21,26 @@ class FlatStorage:
     ``param.data = ...``) detaches it from the buffer, which :meth:`intact` detects. ``spare``
     extra elements at the end of the first buffer hold no tensor (a round's header rides there).
 
+    ``rehome=False`` leaves the tensors where they are, for storage someone else owns (FSDP2's
+    local shards are views of its own flat buffer, which its all-gathers read): the buffers are then
+    a copy, brought up to date and written back around each use by :meth:`synced`.
+
     Example::
 
         storage = FlatStorage(list(model.parameters()))
         torch.distributed.all_reduce(storage.buffers[0])  # reduces every parameter at once
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None, spare: int = 0) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str] | None = None,
+        spare: int = 0,
+        *,
+        rehome: bool = True,
+    ) -> None:
+        #: False: the tensors keep their own storage and the buffers are a copy (see :meth:`synced`).
+        self.rehome = rehome
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype), []).append(index)
@@ -47,16 +61,41 @@ class FlatStorage:
                     t = tensors[i]
                     view = flat[offset : offset + t.numel()].view_as(t)
                     view.copy_(t)
-                    # `.data =` swaps the storage under the same Python object, so the Parameter
-                    # that optimizers and DDP's reducer hold now reads and writes the flat buffer.
-                    t.data = view
+                    if rehome:
+                        # `.data =` swaps the storage under the same Python object, so the Parameter
+                        # that optimizers and DDP's reducer hold now reads and writes the flat buffer.
+                        t.data = view
                     self.tensors.append(t)
                     self.names.append(names[i] if names is not None else f"tensor {i}")
                     self.slots.append((len(self.buffers), offset, t.numel()))
-                    self._addresses.append(view.data_ptr())
+                    self._addresses.append(t.data_ptr())
                     offset += t.numel()
                 self.buffers.append(flat)
                 self.sizes.append(size)
+
+    @contextmanager
+    def synced(self) -> Iterator[None]:
+        """Inside the block the buffers hold the tensors' values, and what the block writes to them reaches
+        the tensors on exit (also by exception); with re-homed tensors there is nothing to copy.
+
+        Example::
+
+            with storage.synced():
+                torch.distributed.all_reduce(storage.buffers[0])
+        """
+        if self.rehome:
+            yield
+            return
+        copies = self.views(self.buffers, range(len(self.tensors)))
+        with torch.no_grad():
+            for copy, t in zip(copies, self.tensors):
+                copy.copy_(t)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for copy, t in zip(copies, self.tensors):
+                    t.copy_(copy)
 
     @property
     def data(self) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections import namedtuple
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,6 +50,7 @@ def setup_models(
     *,
     ddp_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     process_group: Any = None,
+    shard: Any = None,
     **models: nn.Module,
 ) -> Models:
     """Set up each model with Fabric, each in its **own** ``DistributedDataParallel``.
@@ -73,10 +74,20 @@ def setup_models(
     None); ``ddp_kwargs[name]["process_group"]`` overrides it for one model. The islands layout of
     a multi-node run passes the node's group (see :func:`node_groups`).
 
+    ``shard`` (a process group, e.g. ``node_groups(fabric).node``, or a 1-D ``DeviceMesh``) shards each
+    model over that group with FSDP2 (``fully_shard``) instead of wrapping it in DDP: each rank holds
+    1/S of the parameters, gradients are reduce-scattered inside the group every step, and an
+    :class:`~fabric_multimodel.Averager` over the sites (``process_group=groups.across``) averages
+    each shard with the same shard of the other sites. Models with submodules to shard one by one
+    (transformer blocks, for lower peak memory): apply ``fully_shard(block, mesh=...)`` to them
+    first; this call shards the root. ``frozen`` keeps its promise: a frozen model's forward
+    all-gathers its parameters but its backward reduce-scatters nothing.
+
     Args:
         fabric: a launched Fabric (``lightning.fabric.Fabric`` or ``lightning_fabric.Fabric``).
         ddp_kwargs: per-model ``DistributedDataParallel`` options, keyed by model name.
         process_group: the group of every model's DDP (DDP strategies only).
+        shard: the group (or 1-D device mesh) to shard every model over with FSDP2, instead of DDP.
         **models: the models to set up, by name; the order is kept.
 
     Returns:
@@ -86,8 +97,11 @@ def setup_models(
 
         gen, disc = setup_models(fabric, gen=G, disc=D, ddp_kwargs={"disc": {"forward_sync_buffers": False}})
         gen, disc = setup_models(fabric, gen=G, disc=D, process_group=node_groups(fabric).node)  # islands
+        gen, disc = setup_models(fabric, gen=G, disc=D, shard=node_groups(fabric).node)  # FSDP2 inside each node
     """
     _validate(fabric, ddp_kwargs, models)
+    if shard is not None:
+        return _setup_sharded(fabric, shard, ddp_kwargs, process_group, models)
     if process_group is not None:
         if not _builds_plain_ddp(fabric.strategy):
             raise ValueError(
@@ -103,11 +117,46 @@ def setup_models(
         if not _builds_plain_ddp(strategy):
             set_up[name] = fabric.setup_module(module)
         elif not any(p.requires_grad for p in module.parameters()):
-            with _without_ddp(strategy):
+            with _wrapped_by(strategy, lambda module: module):  # DDP has nothing to synchronise
                 set_up[name] = fabric.setup_module(module)
         else:
             with _ddp_options(strategy, ddp_kwargs.get(name, {})):
                 set_up[name] = fabric.setup_module(module)
+    return _models_type(tuple(set_up))(**set_up)
+
+
+def _setup_sharded(
+    fabric: Fabric, shard: Any, ddp_kwargs: Any, process_group: Any, models: Mapping[str, nn.Module]
+) -> Models:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not _builds_plain_ddp(fabric.strategy):
+        raise ValueError(
+            f"setup_models: `shard` builds FSDP2 models under Fabric's DDP strategy (which starts the processes),"
+            f" but this Fabric uses {type(fabric.strategy).__name__}; use strategy='ddp', or drop `shard`."
+        )
+    if ddp_kwargs or process_group is not None:
+        raise ValueError(
+            "setup_models: `shard` wraps the models in FSDP2, not DDP; drop `ddp_kwargs` and `process_group`."
+        )
+    if isinstance(shard, DeviceMesh):
+        if shard.ndim != 1:
+            raise ValueError(f"setup_models: `shard` must be a 1-D DeviceMesh (the site), got {shard.ndim} dims.")
+        mesh = shard
+    elif isinstance(shard, dist.ProcessGroup):
+        mesh = DeviceMesh.from_group(shard, fabric.device.type)
+    else:
+        raise TypeError(
+            "setup_models: `shard` must be a process group (e.g. node_groups(fabric).node) or a 1-D DeviceMesh,"
+            f" got {type(shard).__name__}."
+        )
+    _check_agreement(fabric, {}, models)
+    strategy = fabric.strategy
+    set_up = {}
+    for name, module in models.items():
+        with _wrapped_by(strategy, lambda module: fully_shard(module, mesh=mesh)):
+            set_up[name] = fabric.setup_module(module)
     return _models_type(tuple(set_up))(**set_up)
 
 
@@ -245,10 +294,10 @@ def _ddp_options(strategy: Any, overrides: Mapping[str, Any]) -> Iterator[None]:
 
 
 @contextmanager
-def _without_ddp(strategy: Any) -> Iterator[None]:
+def _wrapped_by(strategy: Any, wrap: Callable[[nn.Module], Any]) -> Iterator[None]:
     # Fabric's setup_module still converts precision, moves the model and wraps it; only the
-    # strategy's DDP wrapping is skipped (an instance attribute shadows the method for this call).
-    strategy.setup_module = lambda module: module
+    # strategy's own wrapping is replaced (an instance attribute shadows the method for this call).
+    strategy.setup_module = wrap
     try:
         yield
     finally:

@@ -30,12 +30,10 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from fabric_multimodel.arguments import check_options
 from fabric_multimodel.averaging import Averager
 from fabric_multimodel.collectives import Traffic, describe_disagreement
-from fabric_multimodel.fragments import Fragments
+from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.models import ddp_options_problem
-from fabric_multimodel.outer import OuterOptimizerFactory
 
 # The type checker sees the classes each family puts after the two mixins below (checked against the
 # standalone family's); at run time they stay plain mixins, so either family's classes can follow.
@@ -298,9 +296,10 @@ class Averaging(_CallbackBase):
         forwards under ``torch.no_grad()``, or after ``toggle_optimizer`` selected the other optimizer
         (as Lightning's GAN tutorial does).
 
-        Built on :class:`fabric_multimodel.Averager`; ``outer_optimizer``, ``comm_dtype`` and
-        ``overlap_steps`` are passed through (DiLoCo: ``outer_optimizer``). Needs
-        ``Trainer(strategy=MultiModelDDPStrategy(...))``.
+        Built on :class:`fabric_multimodel.Averager`, with the same options: an
+        :class:`~fabric_multimodel.AveragerConfig`, or its fields as keyword arguments (DiLoCo:
+        ``outer_optimizer``; ``comm_dtype``, ``overlap_steps``, ``fragments``, ...; not ``node_period``).
+        Needs ``Trainer(strategy=MultiModelDDPStrategy(...))``.
 
         Checkpoints: its state (the batch count, rounds, and for DiLoCo the anchor and the outer
         optimizer) goes into the Trainer checkpoint, and ``fit(ckpt_path=...)`` continues the schedule
@@ -311,13 +310,10 @@ class Averaging(_CallbackBase):
         Args:
             period: average every ``period`` batches after warm-up.
             warmup_steps: synchronous batches before local steps begin.
-            average_buffers: also average floating-point buffers (BatchNorm running statistics).
+            config: what the Averager does, instead of (or under) ``period``, ``warmup_steps`` and ``options``.
             average_optimizer_state: also average the optimizers' floating-point state (Adam moments)
                 in each round; off, it stays local, as in PyTorch's post-local SGD and in DiLoCo.
-            outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
-            comm_dtype: the floating dtype of the payload, e.g. ``torch.bfloat16``.
-            overlap_steps: 0 for blocking rounds; k to merge each round k batches after its launch.
-            fragments, mixing: streaming rounds, as in :class:`~fabric_multimodel.Averager`.
+            options: fields of :class:`~fabric_multimodel.AveragerConfig`, replacing those of ``config``.
 
         Example::
 
@@ -334,46 +330,32 @@ class Averaging(_CallbackBase):
 
     def __init__(
         self,
-        period: int,
-        warmup_steps: int = 0,
+        period: int | None = None,
+        warmup_steps: int | None = None,
         *,
-        average_buffers: bool = True,
+        config: AveragerConfig | None = None,
         average_optimizer_state: bool = False,
-        outer_optimizer: OuterOptimizerFactory | None = None,
-        comm_dtype: torch.dtype | None = None,
-        overlap_steps: int = 0,
-        fragments: Fragments = 1,
-        mixing: float | None = None,
+        **options: Any,
     ) -> None:
-        check_options(
-            period,
-            warmup_steps,
-            overlap_steps,
-            average_buffers,
-            check_finite=True,
-            comm_dtype=comm_dtype,
-            outer_optimizer=outer_optimizer,
-            mixing=mixing,
-            caller="ModelAveraging",
-        )
+        positional = {"period": period, "warmup_steps": warmup_steps}
+        given = {name: value for name, value in positional.items() if value is not None}
+        #: The Averager's :class:`~fabric_multimodel.AveragerConfig`: ``config`` with the other options replaced.
+        self.config = AveragerConfig.build(config, given | options, "ModelAveraging")
+        if self.config.node_period is not None:
+            raise ValueError(
+                "ModelAveraging: two-level averaging (`node_period`) needs node groups the Trainer does not build;"
+                " drop `node_period`, or write the loop with Fabric and the Averager."
+            )
         if not isinstance(average_optimizer_state, bool):
             raise TypeError(
                 f"ModelAveraging: `average_optimizer_state` must be True or False, got {average_optimizer_state!r}."
             )
-        if overlap_steps and average_optimizer_state:
+        if self.config.overlap_steps and average_optimizer_state:
             raise ValueError(
                 "ModelAveraging: `average_optimizer_state=True` cannot be combined with `overlap_steps`; drop one."
             )
-        self.period = period
-        self.warmup_steps = warmup_steps
-        self._options: dict[str, Any] = dict(
-            average_buffers=average_buffers,
-            outer_optimizer=outer_optimizer,
-            comm_dtype=comm_dtype,
-            overlap_steps=overlap_steps,
-            fragments=fragments,
-            mixing=mixing,
-        )
+        self.period = self.config.period
+        self.warmup_steps = self.config.warmup_steps
         self.average_optimizer_state = average_optimizer_state
         self._averager: Averager | None = None
         self._entered = False
@@ -445,10 +427,8 @@ class Averaging(_CallbackBase):
         self._averager = Averager(
             pl_module,
             list(strategy.ddp_modules.values()),
-            period=self.period,
-            warmup_steps=self.warmup_steps,
+            self.config,
             optimizers=trainer.optimizers if self.average_optimizer_state else (),
-            **self._options,
         )
         if self._state is not None:
             self._averager.load_state_dict(self._state)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from lightning_fabric import Fabric
 from torch import nn
 
-from fabric_multimodel import Averager, average_models, frozen, replicas_in_sync, setup_models
+from fabric_multimodel import Averager, AveragerConfig, average_models, frozen, replicas_in_sync, setup_models
 from tests.gan import collectives, gan_iteration, make_gan, mlp
 from tests.worlds import errors_of, in_step
 
@@ -307,6 +307,14 @@ AVERAGER_BAD_INPUTS = {
         "average_buffers",
     ),
     "raw module": (lambda f, m, other: Averager(f, nn.Linear(2, 2), period=2), TypeError, "was not set up"),
+    "unknown option": (lambda f, m, other: Averager(f, m, period=2, perod=3), TypeError, "unknown option(s) 'perod'"),
+    "no period": (lambda f, m, other: Averager(f, m, warmup_steps=2), TypeError, "pass `period`"),
+    "config not a config": (lambda f, m, other: Averager(f, m, {"period": 2}), TypeError, "`config`"),
+    "bad replacement": (
+        lambda f, m, other: Averager(f, m, AveragerConfig(period=4), overlap_steps=4),
+        ValueError,
+        "`overlap_steps` (4) must be smaller than `period` (4)",
+    ),
     "no modules": (lambda f, m, other: Averager(f, [], period=2), ValueError, "`modules` is empty"),
     "not a module": (lambda f, m, other: Averager(f, [m, "disc"], period=2), TypeError, "`modules`"),
     "optimizer not in a list": (
