@@ -11,14 +11,40 @@ Example::
             averager.step()
 """
 
-from fabric_multimodel.averaging import Averager, Replica, SyncReport, average_models, replicas_in_sync
-from fabric_multimodel.collectives import Traffic
-from fabric_multimodel.config import AveragerConfig
-from fabric_multimodel.frozen import frozen
-from fabric_multimodel.groups import NodeGroups, node_groups
-from fabric_multimodel.models import Models, ddp_of, setup_models
-from fabric_multimodel.rounds import AveragingError, NonFiniteError
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fabric_multimodel.averaging import Averager, Replica
+    from fabric_multimodel.collectives import Traffic
+    from fabric_multimodel.config import AveragerConfig
+    from fabric_multimodel.frozen import frozen
+    from fabric_multimodel.groups import NodeGroups, node_groups
+    from fabric_multimodel.models import Models, ddp_of, setup_models
+    from fabric_multimodel.replicas import SyncReport, average_models, replicas_in_sync
+    from fabric_multimodel.rounds import AveragingError, NonFiniteError
+
+# Each public name and its module, imported on first use: the sites tool (`python -m fabric_multimodel.sites`)
+# needs only the standard library, and must not wait seconds for torch.
+_HOMES = {
+    "Averager": "averaging",
+    "Replica": "averaging",
+    "Traffic": "collectives",
+    "AveragerConfig": "config",
+    "frozen": "frozen",
+    "NodeGroups": "groups",
+    "node_groups": "groups",
+    "Models": "models",
+    "ddp_of": "models",
+    "setup_models": "models",
+    "SyncReport": "replicas",
+    "average_models": "replicas",
+    "replicas_in_sync": "replicas",
+    "AveragingError": "rounds",
+    "NonFiniteError": "rounds",
+}
 __all__ = [
     "Averager",
     "AveragerConfig",
@@ -37,3 +63,15 @@ __all__ = [
     "setup_models",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'fabric_multimodel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fabric_multimodel.{_HOMES[name]}"), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -8,6 +8,7 @@ rank instead of a hang. Each error names the argument and the fix.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -15,8 +16,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from fabric_multimodel.collectives import ProcessGroup, group_ranks
+from fabric_multimodel.collectives import ProcessGroup, check_member, group_ranks, group_size
+from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.families import is_instance
+from fabric_multimodel.models import ddp_of
 
 
 def check_fragments(count: int, period: int, overlap_steps: int, optimizers: Sequence[Optimizer]) -> None:
@@ -35,6 +38,56 @@ def check_fragments(count: int, period: int, overlap_steps: int, optimizers: Seq
             "Averager: `optimizers` cannot be combined with `fragments`; drop one (the inner optimizers' state"
             " stays local, as in DiLoCo)."
         )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an Averager's modules live, as its arguments tell: FSDP2 shards or replicas, and whether each
+    node keeps its processes' replicas together (islands: DDP or FSDP2 inside the node, rounds across nodes)."""
+
+    #: The modules are FSDP2 shards: a round averages this rank's shard with the same shard of the other sites.
+    sharded: bool
+    #: DDP (or FSDP2) synchronises inside each node every step, and rounds average across nodes.
+    islands: bool
+    #: The modules' DDPs.
+    ddps: tuple[DistributedDataParallel, ...]
+
+
+def check_placement(
+    modules: Sequence[nn.Module],
+    optimizers: Sequence[Optimizer],
+    process_group: ProcessGroup,
+    node_group: ProcessGroup,
+    config: AveragerConfig,
+) -> Placement:
+    """The Averager's arguments beyond its config, checked on this rank before any collective; where the
+    modules live."""
+    overlap_steps, node_period = config.overlap_steps, config.node_period
+    if overlap_steps and optimizers:
+        raise ValueError(
+            "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
+            " stays local, as in DiLoCo, when `optimizers` is empty)."
+        )
+    check_node_group(node_period, node_group)
+    check_member(process_group, "Averager")
+    check_member(node_group, "Averager")
+    if group_size(process_group) > 1:
+        for module in modules:
+            if not (is_instance(module, "wrappers._FabricModule") or ddp_of(module) is not None):
+                raise TypeError(
+                    f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
+                    " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
+                )
+    shards = [check_replicated(module) for module in modules]
+    if any(shards):
+        if not all(shards) or node_period:
+            raise ValueError(
+                "Averager: with FSDP2 models, shard every model (setup_models(..., shard=group) shards all) and"
+                " average across sites without `node_period` (a round inside a site has nothing to average)."
+            )
+        check_sharded_layout(modules, process_group)
+    ddps = tuple(ddp for ddp in map(ddp_of, modules) if ddp is not None)
+    return Placement(any(shards), any(shards) or islands_layout(ddps, process_group, node_period), ddps)
 
 
 def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:

@@ -1,172 +1,42 @@
-"""Where averaging happens: the schedule (`Averager`), one round as a function (`average_models`), and a
-check (`replicas_in_sync`). What a round does lives in `rounds.py` (plain averaging) and `outer.py` (DiLoCo)."""
+"""The driver of averaging: the :class:`Averager`, which carries out its schedule's events in the user's loop.
+
+How an Averager is put together (its storage and round) is :mod:`fabric_multimodel.builder`'s business, when
+things happen :mod:`fabric_multimodel.schedule`'s, what a round does :mod:`fabric_multimodel.rounds`' and
+:mod:`fabric_multimodel.outer`'s. One-off rounds and checks are in :mod:`fabric_multimodel.replicas`.
+"""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.optim import Optimizer
 
-from fabric_multimodel.arguments import (
-    as_module_list,
-    check_fragments,
-    check_node_group,
-    check_optimizers,
-    check_replicated,
-    check_sharded_layout,
-    islands_layout,
-    plain_module,
-)
+from fabric_multimodel.arguments import as_module_list, check_optimizers, check_placement
+from fabric_multimodel.builder import build_rounds
 from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
     all_reduce_mean_,
     broadcast_differences,
-    check_member,
     describe_disagreement,
-    extremes,
     fingerprint,
     group_rank,
     group_ranks,
     group_size,
-    tensors_fingerprint,
 )
 from fabric_multimodel.config import AveragerConfig
-from fabric_multimodel.families import is_instance
-from fabric_multimodel.flat import FlatStorage
-from fabric_multimodel.fragments import fragment_indices
-from fabric_multimodel.models import Models, ddp_of
-from fabric_multimodel.outer import OuterRound
-from fabric_multimodel.rounds import AveragingError, DeltaRound, Header, MeanRound, NonFiniteError, Round, Stamp
+from fabric_multimodel.models import Models
+from fabric_multimodel.replicas import HasDevice, Modules, optimizer_state
+from fabric_multimodel.rounds import AveragingError, Header, Stamp
 from fabric_multimodel.schedule import Event, Schedule
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
-
-Modules = nn.Module | Iterable[nn.Module]
-
-
-class HasDevice(Protocol):
-    """What the functions here read from ``fabric``: the device for their small collectives.
-
-    A launched ``Fabric`` has it; so does a ``LightningModule`` (the Trainer adapter passes one).
-    """
-
-    @property
-    def device(self) -> torch.device: ...
-
-
-def average_models(
-    fabric: Fabric | HasDevice,
-    modules: Modules,
-    *,
-    average_buffers: bool = True,
-    optimizers: Sequence[Optimizer] = (),
-    process_group: ProcessGroup = None,
-    check_finite: bool = True,
-) -> Traffic:
-    """Replace parameters (and floating-point buffers, and the optimizers' floating-point state) by
-    their mean across ranks: one averaging round. Call it on every rank.
-
-    Parameters are averaged whether or not they require grad or have a ``.grad``: the set is fixed
-    by the modules, never by what the last step touched. With ``check_finite``, a mean that holds
-    NaN or Inf (one rank's NaN reaches every rank) raises :class:`NonFiniteError` on every rank.
-    Returns the :class:`Traffic` sent. There is no ``comm_dtype`` here: without an anchor common to
-    all ranks, a half-precision payload would round the parameters themselves (the
-    :class:`Averager` has one).
-
-    Example::
-
-        average_models(fabric, [gen, disc], optimizers=[opt_g, opt_d])
-        fabric.save("ckpt.pt", {"gen": gen, "disc": disc})  # rank 0's copy is now everyone's
-    """
-    module_list = as_module_list(modules, "average_models")
-    optimizer_list = check_optimizers(optimizers, "average_models")
-    check_member(process_group, "average_models")
-    tensors, names, _ = _averaged_tensors(module_list, average_buffers)
-    tensors = [_local(t) for t in tensors]
-    traffic = all_reduce_mean_(tensors, process_group)
-    if check_finite and group_size(process_group) > 1:
-        sums = torch.stack([t.detach().sum(dtype=torch.float64) for t in tensors])
-        if not bool(torch.isfinite(sums).all()):
-            bad = [name for name, total in zip(names, sums.tolist()) if total != total or abs(total) == float("inf")]
-            raise NonFiniteError(
-                f"average_models: NaN or Inf in {', '.join(bad)} (on at least one rank); every replica now holds"
-                " them: restore a checkpoint.",
-                bad,
-            )
-    return traffic + all_reduce_mean_(_optimizer_state(optimizer_list), process_group)
-
-
-class SyncReport(NamedTuple):
-    """What :func:`replicas_in_sync` found; true when everything it checked is equal and finite.
-
-    Example::
-
-        report = replicas_in_sync(fabric, [gen, disc])
-        if not report:
-            print(report.explain())
-    """
-
-    parameters_equal: bool
-    buffers_equal: bool
-    finite: bool
-    buffers_checked: bool = True
-
-    def __bool__(self) -> bool:
-        return self.parameters_equal and self.finite and (self.buffers_equal or not self.buffers_checked)
-
-    def explain(self) -> str:
-        """One sentence on what differs (or that nothing does)."""
-        problems = []
-        if not self.finite:
-            problems.append("some replica holds NaN or Inf")
-        if not self.parameters_equal:
-            problems.append("parameters differ across ranks")
-        if not self.buffers_equal:
-            problems.append(
-                "buffers differ across ranks"
-                + ("" if self.buffers_checked else " (not counted: buffers=False)")
-                + " (BatchNorm running statistics stay rank-local under synchronous DDP until they are averaged)"
-            )
-        return "; ".join(problems) or "replicas are identical and finite"
-
-
-def replicas_in_sync(
-    fabric: Fabric | HasDevice, modules: Modules, *, process_group: ProcessGroup = None, buffers: bool = True
-) -> SyncReport:
-    """Whether every parameter (and buffer) is bitwise equal on all ranks and finite. One small allreduce.
-
-    Returns a :class:`SyncReport`, true when all is equal and finite, that tells parameters and
-    buffers apart: synchronous DDP keeps parameters identical but leaves BatchNorm running
-    statistics rank-local, so ``buffers=False`` leaves them out of the verdict (they are still
-    reported). NaN or Inf anywhere makes it false even where every rank holds the same NaN. Hashes
-    the tensors locally (GPU tensors are copied to host), so it is a check for tests and before
-    checkpoints, not for every step.
-
-    Example::
-
-        averager.sync()
-        assert replicas_in_sync(fabric, [gen, disc])
-        assert replicas_in_sync(fabric, [gen], buffers=False)  # under synchronous DDP with BatchNorm
-    """
-    module_list = as_module_list(modules, "replicas_in_sync")
-    check_member(process_group, "replicas_in_sync")
-    params = _unique(p for m in module_list for p in m.parameters())
-    buffer_list = _unique(b for m in module_list for b in m.buffers())
-    finite = all(bool(torch.isfinite(t).all()) for t in [*params, *buffer_list] if t.is_floating_point())
-    local = [tensors_fingerprint(params), tensors_fingerprint(buffer_list), int(not finite)]
-    if group_size(process_group) == 1:
-        return SyncReport(True, True, finite, buffers)
-    top, bottom = extremes(local, fabric.device, process_group)
-    return SyncReport(top[0] == bottom[0], top[1] == bottom[1], top[2] == 0, buffers)
 
 
 @dataclass(frozen=True)
@@ -329,47 +199,41 @@ class Averager:
     ) -> None:
         #: What this averager does: the ``config`` passed, with the keyword ``options`` replaced.
         self.config = config = AveragerConfig.build(config, options, "Averager")
-        period, warmup_steps, overlap_steps = config.period, config.warmup_steps, config.overlap_steps
-        node_period, outer_optimizer, comm_dtype = config.node_period, config.outer_optimizer, config.comm_dtype
         module_list = as_module_list(modules, "Averager")
-        optimizers = check_optimizers(optimizers, "Averager")
-        if overlap_steps and optimizers:
-            raise ValueError(
-                "Averager: `optimizers` cannot be combined with `overlap_steps`; drop one (inner optimizer state"
-                " stays local, as in DiLoCo, when `optimizers` is empty)."
-            )
-        check_node_group(node_period, node_group)
-        check_member(process_group, "Averager")
-        check_member(node_group, "Averager")
-        if group_size(process_group) > 1:
-            for module in module_list:
-                if not (is_instance(module, "wrappers._FabricModule") or ddp_of(module) is not None):
-                    raise TypeError(
-                        f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
-                        " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
-                    )
-        shards = [check_replicated(module) for module in module_list]
+        self.optimizers = check_optimizers(optimizers, "Averager")
+        placement = check_placement(module_list, self.optimizers, process_group, node_group, config)
         #: True when the modules are FSDP2 shards (``fully_shard`` inside each site): a round averages this
         #: rank's shard with the same shard of the other sites, and the sites' own reduce-scatters go on every step.
-        self.sharded = any(shards)
-        if self.sharded:
-            if not all(shards) or node_period:
-                raise ValueError(
-                    "Averager: with FSDP2 models, shard every model (setup_models(..., shard=group) shards all) and"
-                    " average across sites without `node_period` (a round inside a site has nothing to average)."
-                )
-            check_sharded_layout(module_list, process_group)
-        ddps = [ddp for ddp in map(ddp_of, module_list) if ddp is not None]
+        self.sharded = placement.sharded
         #: True when the modules synchronise inside each node (DDP, or FSDP2 shards) and rounds average across nodes.
-        self.islands = self.sharded or islands_layout(ddps, process_group, node_period)
-        self.period = period
-        self.warmup_steps = warmup_steps
-        self.average_buffers = config.average_buffers
-        self.optimizers = list(optimizers)
-        self.process_group = process_group
-        self.overlap_steps = overlap_steps
-        self.node_period = node_period
-        self.node_group = node_group
+        self.islands = placement.islands
+        self.period, self.warmup_steps, self.overlap_steps = config.period, config.warmup_steps, config.overlap_steps
+        self.average_buffers, self.node_period = config.average_buffers, config.node_period
+        self.process_group, self.node_group = process_group, node_group
+        names = list(modules._fields) if isinstance(modules, Models) else None
+        built = build_rounds(config, module_list, placement, self.optimizers, process_group, node_group, names)
+        self._round, self._node_round, self._has_buffers = built.round, built.node_round, built.has_buffers
+        #: The number of fragments; a round covers one.
+        self.fragments = built.fragments
+        self.schedule = Schedule(
+            self.period,
+            self.warmup_steps,
+            fragments=self.fragments,
+            overlap_steps=self.overlap_steps,
+            node_period=self.node_period,
+            phases=self._round.phases,
+        )
+        self._device = fabric.device
+        self._ddps = [] if self.islands else list(placement.ddps)  # the DDPs switched off after warm-up
+        self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
+        self._reset_counters()
+        self._check_agreement(built.agreement)
+        #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
+        self.start_traffic = self._start_islands()
+        # Islands: the node's processes hold one replica between them; the first one writes it.
+        self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in placement.ddps)
+
+    def _reset_counters(self) -> None:
         #: ``step()`` calls so far.
         self.steps = 0
         #: Averaging rounds done (by ``step()``, ``sync()`` or leaving the block), counted at launch.
@@ -382,69 +246,13 @@ class Averager:
         #: The ``step()`` count at which the last round across ``process_group`` finished (a blocking round, or
         #: an overlapped one merged); None before the first.
         self.finished_at: int | None = None
-        self._device = fabric.device
         self._launched_at: int | None = None
-        self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
-        self._ddps = [] if self.islands else ddps  # the DDPs this averager switches off after warm-up
-
-        tensors, names, n_params = _averaged_tensors(module_list, config.average_buffers, _model_names(modules))
-        groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
-        check_fragments(len(groups), period, overlap_steps, self.optimizers)
-        #: The number of fragments; a round covers one.
-        self.fragments = len(groups)
-        self._has_buffers = len(tensors) > n_params
-        # Each fragment's parameters next to each other in the flat storage (buffers last, with the last
-        # fragment), so that a fragment is one range of each flat buffer.
-        placed = [i for group in groups for i in group]
-        # Fragments are cut by the whole parameters, so that every rank of a site cuts the same; a round
-        # averages what this rank holds of each.
-        tensors = [_local(tensors[i]) for i in placed] + tensors[n_params:]
-        names = [names[i] for i in placed] + names[n_params:]
-        largest = max(group_size(process_group), group_size(node_group) if node_period else 1)
-        # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy, synced around each use.
-        storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest, rehome=not self.sharded)
-        ends = list(itertools.accumulate(len(group) for group in groups))
-        ends[-1] = len(tensors)
-        parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None
-        overlap = overlap_steps > 0
-        shared: dict[str, Any] = {"parts": parts, "overlap": overlap, "check_finite": config.check_finite}
-        shared.update(mixing=config.mixing, node_group=_node_of(ddps) if self.islands and ddps else None)
-        anchored: dict[str, Any] = {"error_feedback": config.error_feedback}
-        self._round: Round
-        if outer_optimizer is not None:
-            order = sorted(range(n_params), key=placed.__getitem__)  # storage positions, in the modules' order
-            self._round = OuterRound(
-                storage,
-                n_params,
-                process_group,
-                outer_optimizer=outer_optimizer,
-                comm_dtype=comm_dtype,
-                order=order,
-                **shared,
-                **anchored,
-            )
-        elif comm_dtype is not None:
-            self._round = DeltaRound(storage, n_params, process_group, comm_dtype=comm_dtype, **shared, **anchored)
-        else:
-            self._round = MeanRound(storage, process_group, **shared)
-        self.schedule = Schedule(
-            period,
-            warmup_steps,
-            fragments=self.fragments,
-            overlap_steps=overlap_steps,
-            node_period=node_period,
-            phases=self._round.phases,
-        )
         # Per fragment, the step of its last blocking round: a round with no step since then changes nothing.
         self._synced_at = [0] * self.fragments
-        # Islands: the fragments whose next round is their first across the nodes (a plain mean).
-        self._fresh: set[int] = set()
-        self._node_round = (
-            MeanRound(storage, node_group, overlap=False, check_finite=config.check_finite) if node_period else None
-        )
-        layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
-        settings = (config.agreement(), len(self.optimizers), self.islands, ends)
-        problem = describe_disagreement(repr((layout, settings)), fabric.device, process_group)
+
+    def _check_agreement(self, agreement: str) -> None:
+        """One small collective: every rank of the group built the same tensors and options, or all raise."""
+        problem = describe_disagreement(agreement, self._device, self.process_group)
         if problem:
             raise ValueError(
                 "Averager: the modules' parameters (names, shapes, dtypes) or the arguments (period, warmup_steps,"
@@ -452,18 +260,20 @@ class Averager:
                 " node_period, the layout, fragments, mixing) differ across ranks; build the same models and"
                 f" Averager on every rank. {_shorten(problem)}"
             )
-        #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
-        self.start_traffic = Traffic()
-        if self.islands and group_size(process_group) > 1:
-            # DDP made every node's replicas identical, not the nodes': start them all from the same
-            # values, as DDP does for its own group (and the anchors with them). Nodes built from one
-            # seed already agree, and then nothing but a checksum crosses the link.
-            with storage.synced():
-                self.start_traffic = broadcast_differences(storage.buffers, storage.slots, self._device, process_group)
-                if isinstance(self._round, DeltaRound):
-                    self._round.anchor_parameters()
-        # Islands: the node's processes hold one replica between them; the first one writes it.
-        self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in ddps)
+
+    def _start_islands(self) -> Traffic:
+        """Islands: DDP made every node's replicas identical, not the nodes'. Start them all from the same
+        values, as DDP does for its own group (and the anchors with them); nodes built from one seed already
+        agree, and then nothing but a checksum crosses the link."""
+        if not self.islands or group_size(self.process_group) == 1:
+            return Traffic()
+        storage = self._round.storage
+        with storage.synced():
+            sent = broadcast_differences(storage.buffers, storage.slots, self._device, self.process_group)
+            self._round.anchor_parameters()
+        return sent
+
+    # --- the with block ------------------------------------------------------------------------
 
     def __enter__(self) -> Averager:
         if self._ddp_settings is not None:
@@ -482,12 +292,10 @@ class Averager:
             if exc_type is not None:
                 self._discard_pending()
             else:
-                with self._round.storage.synced():
-                    self._finish_pending()
-                    # In the local phase every rank ends with a round, needed or not (then it changes
-                    # nothing): it carries each rank's step() count, so a schedule that drifted apart
-                    # is an error on every rank instead of one rank waiting for a round nobody else starts.
-                    self._round_everything()
+                # In the local phase every rank ends with a round, needed or not (then it changes nothing):
+                # it carries each rank's step() count, so a schedule that drifted apart is an error on every
+                # rank instead of one rank waiting for a round nobody else starts.
+                self.sync()
         finally:
             for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
                 ddp.require_backward_grad_sync = grad_sync
@@ -530,7 +338,7 @@ class Averager:
             if not averager.anchored:
                 averager.sync()
         """
-        return isinstance(self._round, DeltaRound)
+        return self._round.anchored
 
     @property
     def replica(self) -> Replica:
@@ -547,6 +355,8 @@ class Averager:
             CheckpointWriter(path, enabled=replica.writer).save({"model": model, "averager": averager})
         """
         return Replica(group_rank(self.process_group), group_size(self.process_group), self._writes_replica)
+
+    # --- the loop's calls ----------------------------------------------------------------------
 
     def step(self) -> bool:
         """Count one iteration and do what the schedule says for it; True when this call started a round.
@@ -589,6 +399,8 @@ class Averager:
             self._finish_pending()
             self._round_everything()
 
+    # --- checkpoints ---------------------------------------------------------------------------
+
     def state_dict(self) -> dict[str, Any]:
         """The schedule's counters (plain ints) and, for anchored rounds, the anchor, the outer optimizer and the
         index of the replica that saved it (see :attr:`replica`).
@@ -612,10 +424,9 @@ class Averager:
         }
         if self.fragments > 1:
             state["fragments_synced_at"] = list(self._synced_at)
-        if self.islands:
-            state["fresh_fragments"] = sorted(self._fresh)
-        if isinstance(self._round, DeltaRound):
-            state.update(self._round.state_dict(), replica=self.replica.index)
+        state.update(self._round.state_dict())
+        if self.anchored:
+            state["replica"] = self.replica.index
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -631,66 +442,22 @@ class Averager:
 
             fabric.load("ckpt.pt", {"averager": averager, "gen": gen})
         """
-        counters = ("steps", "rounds", "synced_at_step", "elements_communicated", "bytes_communicated")
-        missing = set(counters) - set(state_dict)
-        if isinstance(self._round, DeltaRound):
-            missing |= {"anchor"} - set(state_dict)
-        if isinstance(self._round, OuterRound):
-            missing |= {"outer_optimizer"} - set(state_dict)
-        if missing:
-            raise KeyError(f"Averager.load_state_dict: the state is missing {sorted(missing)}.")
-        values = {}
-        for name in counters:
-            value = state_dict[name]
-            if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-                value = value.item()
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"Averager.load_state_dict: `{name}` must be a whole number >= 0, got {value!r}.")
-            values[name] = value
-        if values["synced_at_step"] > values["steps"]:
-            raise ValueError(
-                f"Averager.load_state_dict: `synced_at_step` ({values['synced_at_step']}) is beyond `steps`"
-                f" ({values['steps']}); the state is corrupt."
-            )
-        if 2 * values["bytes_communicated"] < values["elements_communicated"]:  # no payload is below 4 bits
-            raise ValueError(
-                "Averager.load_state_dict: fewer bytes than half the elements communicated; the state is corrupt."
-            )
-        synced_at = _whole_numbers(
-            state_dict.get("fragments_synced_at", [values["synced_at_step"]] * self.fragments),
-            self.fragments,
-            values["steps"],
-            "fragments_synced_at",
-        )
-        saved_by = state_dict.get("replica", self.replica.index)
-        if isinstance(saved_by, bool) or not isinstance(saved_by, int) or saved_by < 0:
-            raise ValueError(f"Averager.load_state_dict: `replica` must be a whole number >= 0, got {saved_by!r}.")
-        fresh = state_dict.get("fresh_fragments", [])
-        if not isinstance(fresh, (list, tuple)) or not set(fresh) <= set(range(self.fragments)):
-            raise ValueError(
-                f"Averager.load_state_dict: `fresh_fragments` must list fragments 0..{self.fragments - 1}."
-            )
-        if isinstance(self._round, DeltaRound):
-            try:
-                self._round.load_state_dict(state_dict)
-            except ValueError as error:
-                raise ValueError(f"Averager.load_state_dict: {error}") from None
-        self.steps = values["steps"]
-        self.rounds = values["rounds"]
-        self._synced_at = synced_at
-        self._fresh = set(fresh)
+        values, synced_at, saved_by = _checked_counters(state_dict, self._round.state_keys, self.fragments)
+        try:
+            self._round.load_state_dict(state_dict)
+        except ValueError as error:
+            raise ValueError(f"Averager.load_state_dict: {error}") from None
+        self.steps, self.rounds, self._synced_at = values["steps"], values["rounds"], synced_at
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
-        if isinstance(self._round, DeltaRound) and saved_by != self.replica.index and self.local:
+        if saved_by not in (None, self.replica.index) and self.local:
             # Another replica's checkpoint (this one has none at that step, or the world changed): start
             # from the global model, not from a copy of that replica's local progress.
             with self._round.storage.synced():
-                for fragment, part in enumerate(self._round.parts):
-                    if fragment not in self._fresh:
-                        self._round.restore_parameters(part)
+                self._round.restore_global()
         if self._ddp_settings is not None:
             self._apply_phase()
 
-    # --- internals ---------------------------------------------------------------------------
+    # --- the schedule's events -----------------------------------------------------------------
 
     @property
     def _actions(self) -> dict[str, Callable[[Event], bool]]:
@@ -706,11 +473,10 @@ class Averager:
 
     def _start_local_phase(self, event: Event) -> bool:
         self._apply_phase()
-        if isinstance(self._round, DeltaRound):
-            if self.islands:  # the nodes trained apart: their first rounds are plain means, and set the anchors
-                self._fresh = set(range(self.fragments))
-            else:  # synchronous DDP moved every replica alike: anchor them where they are
-                self._round.anchor_parameters()
+        if self.islands:  # the nodes trained apart: their first rounds are plain means, and set the anchors
+            self._round.release_anchors()
+        else:  # synchronous DDP moved every replica alike: anchor them where they are
+            self._round.anchor_parameters()
         return False
 
     def _round_everything(self) -> None:
@@ -730,20 +496,13 @@ class Averager:
         if self.fragments > 1:
             label += f" (fragment {fragment + 1} of {self.fragments})"
         warming_up = self.steps < self.warmup_steps
-        outer = not warming_up
-        if isinstance(self._round, DeltaRound):
-            part = self._round.parts[fragment]
-            if warming_up and not self.islands:
-                # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
-                self._round.anchor_parameters(part)
-            elif fragment in self._fresh:
-                self._round.clear_anchor(part)
-                self._fresh.discard(fragment)
-                outer = False
+        if warming_up and not self.islands:
+            # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
+            self._round.anchor_parameters(self._round.parts[fragment])
         stamp = Stamp(
             self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at[fragment]
         )
-        self._round.launch(stamp, label=label, blocking=blocking, outer=outer, part=fragment)
+        self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up, part=fragment)
         self.traffic += self._round.traffic
         if not blocking:
             self.rounds += 1
@@ -753,7 +512,7 @@ class Averager:
         self._check_stamps(stamps, label)
         if any(s.progress for s in stamps):
             self.rounds += 1
-            self.traffic += all_reduce_mean_(_optimizer_state(self.optimizers), self.process_group)
+            self.traffic += all_reduce_mean_(optimizer_state(self.optimizers), self.process_group)
         self._synced_at[fragment] = self.steps
         self.finished_at = self.steps
         return True
@@ -769,7 +528,7 @@ class Averager:
         stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], True)
         self._node_round.launch(stamp, label=label, blocking=True)
         self._check_stamps(self._node_round.finish(), label, self.node_group)
-        sent = self._node_round.traffic + all_reduce_mean_(_optimizer_state(self.optimizers), self.node_group)
+        sent = self._node_round.traffic + all_reduce_mean_(optimizer_state(self.optimizers), self.node_group)
         self.traffic += sent
         self.node_traffic += sent
         self.rounds += 1
@@ -837,6 +596,44 @@ class Averager:
                 ddp._has_rebuilt_buckets = True
 
 
+def _checked_counters(
+    state: dict[str, Any], round_keys: Sequence[str], fragments: int
+) -> tuple[dict[str, int], list[int], int | None]:
+    """A state's counters, each fragment's last round step and the replica that saved it (None: not said),
+    checked before anything is changed; a KeyError or ValueError naming the field."""
+    counters = ("steps", "rounds", "synced_at_step", "elements_communicated", "bytes_communicated")
+    missing = (set(counters) | set(round_keys)) - set(state)
+    if missing:
+        raise KeyError(f"Averager.load_state_dict: the state is missing {sorted(missing)}.")
+    values = {}
+    for name in counters:
+        value = state[name]
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"Averager.load_state_dict: `{name}` must be a whole number >= 0, got {value!r}.")
+        values[name] = value
+    if values["synced_at_step"] > values["steps"]:
+        raise ValueError(
+            f"Averager.load_state_dict: `synced_at_step` ({values['synced_at_step']}) is beyond `steps`"
+            f" ({values['steps']}); the state is corrupt."
+        )
+    if 2 * values["bytes_communicated"] < values["elements_communicated"]:  # no payload is below 4 bits
+        raise ValueError(
+            "Averager.load_state_dict: fewer bytes than half the elements communicated; the state is corrupt."
+        )
+    synced_at = _whole_numbers(
+        state.get("fragments_synced_at", [values["synced_at_step"]] * fragments),
+        fragments,
+        values["steps"],
+        "fragments_synced_at",
+    )
+    saved_by = state.get("replica")
+    if saved_by is not None and (isinstance(saved_by, bool) or not isinstance(saved_by, int) or saved_by < 0):
+        raise ValueError(f"Averager.load_state_dict: `replica` must be a whole number >= 0, got {saved_by!r}.")
+    return values, synced_at, saved_by
+
+
 def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
     """``values`` as ``count`` whole numbers in 0..``limit``, or a ValueError naming the state's field."""
     if not isinstance(values, (list, tuple)) or len(values) != count:
@@ -847,60 +644,6 @@ def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
                 f"Averager.load_state_dict: `{name}` must hold whole numbers in 0..{limit}, got {value!r}."
             )
     return list(values)
-
-
-def _node_of(ddps: Sequence[Any]) -> ProcessGroup:
-    """The group over which the islands' DDPs synchronise (the node), when they all share one; else None."""
-    groups = {tuple(dist.get_process_group_ranks(ddp.process_group)): ddp.process_group for ddp in ddps}
-    return next(iter(groups.values())) if len(groups) == 1 else None
-
-
-def _model_names(modules: Any) -> list[str] | None:
-    return list(modules._fields) if isinstance(modules, Models) else None
-
-
-def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor once; an FSDP2 parameter as this rank's shard."""
-    return [_local(t) for t in {id(t): t for t in tensors}.values()]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: an FSDP2 parameter's shard (a view of FSDP's own storage), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local().detach() if isinstance(t, DTensor) else t
-
-
-def _averaged_tensors(
-    modules: Sequence[nn.Module], average_buffers: bool, model_names: Sequence[str] | None = None
-) -> tuple[list[torch.Tensor], list[str], int]:
-    """The tensors a round averages (FSDP2 parameters whole, as DTensors), their names (``model.layer.weight``),
-    and how many are parameters (first)."""
-    prefixes = model_names or ([""] if len(modules) == 1 else [f"modules[{i}]" for i in range(len(modules))])
-    seen: dict[int, tuple[torch.Tensor, str]] = {}
-    for kind in ("parameters", "buffers"):
-        for module, prefix in zip(modules, prefixes):
-            named = getattr(plain_module(module), f"named_{kind}")()
-            for name, t in named:
-                if kind == "buffers" and not (average_buffers and t.is_floating_point()):
-                    continue
-                seen.setdefault(id(t), (t, f"{prefix}.{name}" if prefix else name))
-        if kind == "parameters":
-            n_params = len(seen)
-    tensors, names = zip(*seen.values()) if seen else ((), ())
-    return list(tensors), list(names), n_params
-
-
-def _optimizer_state(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
-    """Floating-point state tensors in a rank-independent order; the step counter is not a statistic."""
-    return [
-        value
-        for opt in optimizers
-        for group in opt.param_groups
-        for p in group["params"]
-        for key, value in sorted(opt.state.get(p, {}).items())
-        if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-    ]
 
 
 def _position(group: ProcessGroup) -> int:

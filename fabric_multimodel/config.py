@@ -13,11 +13,13 @@ Example::
     averager = Averager(fabric, model, config)
     Averager(fabric, model, period=8)  # the same as Averager(fabric, model, AveragerConfig(period=8))
     Averager(fabric, model, config, comm_dtype=torch.bfloat16)  # config with one field replaced
+    print(config)  # period=128 warmup_steps=20 outer_optimizer=SGD(lr=0.7, momentum=0.9, nesterov=True) ...
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,15 @@ class AveragerConfig:
             raise TypeError(f"{caller}: `config` must be an AveragerConfig, got {type(config).__name__}{hint}.")
         return dataclasses.replace(config, **options)
 
+    def __str__(self) -> str:
+        """The fields that differ from their defaults, on one line: ``period=128 fragments=4 ...``."""
+        said = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.default is dataclasses.MISSING or value != field.default:
+                said.append(f"{field.name}={_short(value)}")
+        return " ".join(said)
+
     def agreement(self) -> tuple[Any, ...]:
         """What every rank's config must agree on, in a form that prints the same on every rank (a factory's
         repr holds addresses, so only its presence counts; fragment groups count by their number)."""
@@ -100,6 +111,18 @@ class AveragerConfig:
             for field in dataclasses.fields(self)
             for value in [getattr(self, field.name)]
         )
+
+
+def _short(value: Any) -> str:
+    """A value as a person reads it: dtypes without ``torch.``, an optimizer factory as its call."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, functools.partial):
+        arguments = [*map(repr, value.args), *(f"{k}={v!r}" for k, v in value.keywords.items())]
+        return f"{getattr(value.func, '__name__', value.func)}({', '.join(arguments)})"
+    if callable(value):
+        return getattr(value, "__name__", type(value).__name__)
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 def _check(config: AveragerConfig, caller: str = "Averager") -> None:

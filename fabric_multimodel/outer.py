@@ -84,6 +84,8 @@ class OuterRound(DeltaRound):
         for anchor, mean in zip(self._buffers_part(self.part.of(self.anchor)), self._buffers_part(summed)):
             anchor.sub_(mean)
 
+    state_keys = ("anchor", "outer_optimizer")
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "outer_optimizer": self.optimizer.state_dict()}
 

@@ -237,6 +237,32 @@ class Round:
         """True while a round is in flight (launched, not yet finished)."""
         return self._in_flight
 
+    # --- what the driver asks of every kind (plain rounds keep no anchor: nothing to keep or restore) ------
+
+    #: True when rounds keep an anchor, the global model after each part's last round, identical on every
+    #: rank: a checkpoint then needs no round, and a replica can start again from the anchors.
+    anchored = False
+    #: What a checkpoint of this kind must hold (see :meth:`state_dict`).
+    state_keys: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds of the round beyond the driver's counters."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; a ValueError when it does not fit these tensors."""
+
+    def anchor_parameters(self, part: Part | None = None) -> None:
+        """The replicas are identical now (synchronous DDP moved them alike): anchor them here."""
+
+    def release_anchors(self) -> None:
+        """The replicas trained apart (the islands' warm-up): each part's next round is a plain mean, which
+        sets its anchor."""
+
+    def restore_global(self) -> None:
+        """Put every anchored part back at its anchor, the global model (a replica resuming from another's
+        checkpoint)."""
+
     # --- the round ---------------------------------------------------------------------------
 
     def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
@@ -464,6 +490,8 @@ class DeltaRound(Round):
         )
         self.phases = 2 if self.code_dtype is not None else 1
         self.n_params = n_params
+        #: The parts whose next round is their first across the islands: a plain mean that sets the anchor.
+        self.fresh: set[int] = set()
         self.anchor = self.storage.mirror()
         self.snapshot = self.storage.mirror() if overlap else []
         # Per storage buffer, where its parameters end and its buffers (anchored at zero) begin.
@@ -489,6 +517,24 @@ class DeltaRound(Round):
         quantized = _Quantized(mean, mine, head)
         return quantized if self.slices == 1 else _NodeSlices(quantized, [data], self.node_group)
 
+    anchored = True
+    state_keys: tuple[str, ...] = ("anchor",)
+
+    def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
+        if part in self.fresh:  # no anchor shared yet: send the parameters themselves, for a plain mean
+            self._clear_anchor(self.parts[part])
+            self.fresh.discard(part)
+            outer = False
+        super().launch(stamp, label=label, blocking=blocking, outer=outer, part=part)
+
+    def release_anchors(self) -> None:
+        self.fresh = set(range(len(self.parts)))
+
+    def restore_global(self) -> None:
+        for index, part in enumerate(self.parts):
+            if index not in self.fresh:
+                self.restore_parameters(part)
+
     def anchor_parameters(self, part: Part | None = None) -> None:
         """Anchor the parameters (of ``part``, default all) where they are now (identical on every rank under DDP).
 
@@ -508,7 +554,7 @@ class DeltaRound(Round):
             for transport in self._transports:
                 transport.mean.clear_residual()
 
-    def clear_anchor(self, part: Part) -> None:
+    def _clear_anchor(self, part: Part) -> None:
         """Set ``part``'s anchor to zero, so that its next round sends the parameters themselves: a plain mean
         of replicas that share no anchor yet (the first round across the islands)."""
         for anchor in part.of(self.anchor):
@@ -576,7 +622,7 @@ class DeltaRound(Round):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"anchor": [a.clone() for a in self.anchor]}
+        state: dict[str, Any] = {"anchor": [a.clone() for a in self.anchor], "fresh_fragments": sorted(self.fresh)}
         if self._error_feedback:  # this rank's own: what its quantizations dropped, per part
             state["error_feedback"] = [t.mean.state_dict()["residual"] for t in self._transports]
         return state
@@ -585,6 +631,9 @@ class DeltaRound(Round):
         anchors = state["anchor"]
         if len(anchors) != len(self.anchor) or any(a.shape != b.shape for a, b in zip(anchors, self.anchor)):
             raise ValueError("the checkpoint's anchor does not match these modules; load it into the same models.")
+        fresh = state.get("fresh_fragments", [])
+        if not isinstance(fresh, (list, tuple)) or not set(fresh) <= set(range(len(self.parts))):
+            raise ValueError(f"`fresh_fragments` must list fragments 0..{len(self.parts) - 1}.")
         residuals = state.get("error_feedback")
         if self._error_feedback and (not isinstance(residuals, list) or len(residuals) != len(self._transports)):
             raise ValueError(
@@ -593,6 +642,7 @@ class DeltaRound(Round):
         with torch.no_grad():
             for anchor, saved in zip(self.anchor, anchors):
                 anchor.copy_(saved)
+        self.fresh = set(fresh)
         for transport, residual in zip(self._transports, residuals or () if self._error_feedback else ()):
             transport.mean.load_state_dict({"residual": residual})
 

@@ -100,3 +100,14 @@ def test_the_trainer_callback_takes_the_same_config():
         ModelAveraging(config=config, perod=2)
     with pytest.raises(ValueError, match="node_period"):
         ModelAveraging(period=8, node_period=4)
+
+
+@given(config=configs())
+def test_a_config_prints_on_one_line_what_differs_from_the_defaults(config):
+    printed = str(config)
+    assert "\n" not in printed and printed.startswith(f"period={config.period}")
+    for field in dataclasses.fields(config):
+        differs = field.default is dataclasses.MISSING or getattr(config, field.name) != field.default
+        assert (f"{field.name}=" in printed) == differs, (field.name, printed)
+    if config.outer_optimizer is not None:
+        assert "outer_optimizer=SGD(lr=0.7, momentum=0.9)" in printed

@@ -73,11 +73,15 @@ def sharded_and_islands(fabric, options: dict, steps: int):
     fragments=st.sampled_from([1, 2]),
     overlap=st.sampled_from([0, 1]),
     warmup=st.integers(0, 2),
+    feedback=st.booleans(),
 )
-def test_sharded_rounds_keep_shards_in_sync_and_equal_ddp_islands(worlds, payload, outer, fragments, overlap, warmup):
+def test_sharded_rounds_keep_shards_in_sync_and_equal_ddp_islands(
+    worlds, payload, outer, fragments, overlap, warmup, feedback
+):
     options = {"period": 4, "warmup_steps": warmup, "fragments": fragments, "overlap_steps": overlap}
     options |= {"outer_optimizer": NESTEROV} if outer else {}
     options |= {"comm_dtype": DTYPES[payload]} if DTYPES[payload] else {}
+    options |= {"error_feedback": True} if feedback and payload in ("fp8", "fp4") else {}
     for checks, difference, sent in worlds(4).run(sharded_and_islands, options, 11):
         assert checks and all(checks)  # every shard equals the same shard of the other site after each round
         # Block quantization cuts a shard's payload into other blocks than a replica's: the two runs differ by
@@ -115,3 +119,38 @@ def test_frozen_keeps_its_promise_under_fsdp2(worlds):
         reduced = {freeze: [n for name, n in found if "reduce" in name] for freeze, found in counted.items()}
         assert len(reduced[False]) == 2 and sum(reduced[False]) >= elements["gen"] + elements["disc"], counted
         assert len(reduced[True]) == 1 and elements["gen"] <= reduced[True][0] < elements["disc"] * 2, counted
+
+
+def sharded_mistakes(fabric):
+    """What each mistake with sharded models raises, on every rank, before any round."""
+    site, peers = sites_of_two(fabric)
+    (model,) = setup_models(fabric, m=mlp([3, 4, 2]), shard=site)
+    (replica,) = setup_models(fabric, r=mlp([3, 4, 2]), process_group=site)
+    attempts = {
+        "node_period": lambda: Averager(fabric, model, period=4, node_period=2, node_group=site, process_group=peers),
+        "mixed": lambda: Averager(fabric, [model, replica], period=4, process_group=peers),
+        "averaged inside the site": lambda: Averager(fabric, model, period=4, process_group=site),
+        "ddp_kwargs": lambda: setup_models(fabric, ddp_kwargs={"m": {}}, shard=site, m=mlp([3, 4, 2])),
+        "not a group": lambda: setup_models(fabric, shard="node", m=mlp([3, 4, 2])),
+    }
+    found = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            found[name] = None
+        except (TypeError, ValueError) as error:
+            found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def test_a_mistake_with_sharded_models_is_one_clear_error_on_every_rank(worlds):
+    expected = {
+        "node_period": "ValueError: Averager: with FSDP2 models",
+        "mixed": "ValueError: Averager: with FSDP2 models, shard every model",
+        "averaged inside the site": "ValueError: Averager: a sharded module's shards live on ranks",
+        "ddp_kwargs": "ValueError: setup_models: `shard` wraps the models in FSDP2",
+        "not a group": "TypeError: setup_models: `shard` must be a process group",
+    }
+    for found in worlds(4).run(sharded_mistakes):
+        for name, start in expected.items():
+            assert found[name] is not None and found[name].startswith(start), (name, found[name])

@@ -1,0 +1,157 @@
+"""How an :class:`~fabric_multimodel.Averager` is put together: the tensors it averages, laid out in flat
+storage fragment by fragment, and the round of the kind its :class:`~fabric_multimodel.AveragerConfig` asks
+for. The Averager (the driver) only carries out the schedule's events with what is built here.
+
+The kind of round follows from the options alone: ``outer_optimizer`` makes a DiLoCo
+:class:`~fabric_multimodel.outer.OuterRound`, a ``comm_dtype`` an anchored
+:class:`~fabric_multimodel.rounds.DeltaRound`, neither a plain :class:`~fabric_multimodel.rounds.MeanRound`.
+A new kind of storage (a shard's) or of round is one more case here, not in the driver.
+
+Example::
+
+    config = AveragerConfig(period=8)
+    built = build_rounds(config, [model], check_placement([model], [], None, None, config))
+    built.round.launch(stamp, label="round 1", blocking=True)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from fabric_multimodel.arguments import Placement, check_fragments, plain_module
+from fabric_multimodel.collectives import ProcessGroup, group_size
+from fabric_multimodel.config import AveragerConfig
+from fabric_multimodel.flat import FlatStorage, Part
+from fabric_multimodel.fragments import fragment_indices
+from fabric_multimodel.outer import OuterRound
+from fabric_multimodel.rounds import DeltaRound, Header, MeanRound, Round
+
+
+@dataclass(frozen=True)
+class Built:
+    """What an Averager works with: its round (and two-level averaging's round inside the node), over one
+    flat storage of the averaged tensors."""
+
+    round: Round
+    #: Two-level averaging (``node_period``): the plain round inside the node.
+    node_round: MeanRound | None
+    #: The number of fragments; a round covers one.
+    fragments: int
+    #: Whether floating-point buffers are averaged too (they ride with the last fragment).
+    has_buffers: bool
+    #: The tensors (names, shapes, dtypes) and settings every rank of the averaging group must share.
+    agreement: str
+
+
+def build_rounds(
+    config: AveragerConfig,
+    modules: Sequence[nn.Module],
+    placement: Placement,
+    optimizers: Sequence[Optimizer] = (),
+    process_group: ProcessGroup = None,
+    node_group: ProcessGroup = None,
+    model_names: Sequence[str] | None = None,
+) -> Built:
+    """The storage and the rounds for ``modules`` under ``config``; a clear error for fragments that do not fit."""
+    tensors, names, n_params = averaged_tensors(modules, config.average_buffers, model_names)
+    groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
+    check_fragments(len(groups), config.period, config.overlap_steps, optimizers)
+    # Each fragment's parameters next to each other in the flat storage (buffers last, with the last fragment),
+    # so that a fragment is one range of each flat buffer. Fragments are cut by the whole parameters, so that
+    # every rank of a site cuts the same; a round averages what this rank holds of each.
+    placed = [i for group in groups for i in group]
+    tensors = [local_part(tensors[i]) for i in placed] + tensors[n_params:]
+    names = [names[i] for i in placed] + names[n_params:]
+    largest = max(group_size(process_group), group_size(node_group) if config.node_period else 1)
+    # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy, synced around each use.
+    storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest, rehome=not placement.sharded)
+    ends = list(itertools.accumulate(len(group) for group in groups))
+    ends[-1] = len(tensors)
+    parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None
+    order = sorted(range(n_params), key=placed.__getitem__)  # storage positions, in the modules' order
+    node = _node_of(placement.ddps) if placement.islands and placement.ddps else None
+    node_round = None
+    if config.node_period:
+        node_round = MeanRound(storage, node_group, overlap=False, check_finite=config.check_finite)
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
+    settings = (config.agreement(), len(optimizers), placement.islands, ends)
+    return Built(
+        _round(config, storage, n_params, process_group, parts, order, node),
+        node_round,
+        len(groups),
+        len(tensors) > n_params,
+        repr((layout, settings)),
+    )
+
+
+def _round(
+    config: AveragerConfig,
+    storage: FlatStorage,
+    n_params: int,
+    group: ProcessGroup,
+    parts: list[Part] | None,
+    order: list[int],
+    node: ProcessGroup,
+) -> Round:
+    """The kind of round the options ask for."""
+    overlap, check_finite, mixing = config.overlap_steps > 0, config.check_finite, config.mixing
+    if config.outer_optimizer is None and config.comm_dtype is None:
+        return MeanRound(
+            storage, group, parts=parts, overlap=overlap, check_finite=check_finite, mixing=mixing, node_group=node
+        )
+    anchored: dict[str, Any] = {"parts": parts, "comm_dtype": config.comm_dtype, "mixing": mixing, "node_group": node}
+    anchored["error_feedback"] = config.error_feedback
+    if config.outer_optimizer is None:
+        return DeltaRound(storage, n_params, group, overlap=overlap, check_finite=check_finite, **anchored)
+    return OuterRound(
+        storage,
+        n_params,
+        group,
+        outer_optimizer=config.outer_optimizer,
+        order=order,
+        overlap=overlap,
+        check_finite=check_finite,
+        **anchored,
+    )
+
+
+def averaged_tensors(
+    modules: Sequence[nn.Module], average_buffers: bool, model_names: Sequence[str] | None = None
+) -> tuple[list[torch.Tensor], list[str], int]:
+    """The tensors a round averages (FSDP2 parameters whole, as DTensors), their names (``model.layer.weight``),
+    and how many are parameters (first)."""
+    prefixes = model_names or ([""] if len(modules) == 1 else [f"modules[{i}]" for i in range(len(modules))])
+    seen: dict[int, tuple[torch.Tensor, str]] = {}
+    n_params = 0
+    for kind in ("parameters", "buffers"):
+        for module, prefix in zip(modules, prefixes):
+            named = getattr(plain_module(module), f"named_{kind}")()
+            for name, t in named:
+                if kind == "buffers" and not (average_buffers and t.is_floating_point()):
+                    continue
+                seen.setdefault(id(t), (t, f"{prefix}.{name}" if prefix else name))
+        if kind == "parameters":
+            n_params = len(seen)
+    tensors, names = zip(*seen.values()) if seen else ((), ())
+    return list(tensors), list(names), n_params
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: an FSDP2 parameter's shard (a view of FSDP's own storage), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().detach() if isinstance(t, DTensor) else t
+
+
+def _node_of(ddps: Sequence[torch.nn.parallel.DistributedDataParallel]) -> ProcessGroup:
+    """The group over which the islands' DDPs synchronise (the node), when they all share one; else None."""
+    groups = {tuple(dist.get_process_group_ranks(ddp.process_group)): ddp.process_group for ddp in ddps}
+    return next(iter(groups.values())) if len(groups) == 1 else None

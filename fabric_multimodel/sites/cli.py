@@ -1,0 +1,100 @@
+"""The sites tool's command line: ``python -m fabric_multimodel.sites --sites S --devices D --bandwidth RATE
+[options] -- SCRIPT [ARGS ...]``; its exit code is the worst site's (2: a bad setting, 124: timed out, 130:
+Ctrl-C, 143: SIGTERM)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from fabric_multimodel.sites.network import RATE_FORMS, SitesError, parse_rate
+from fabric_multimodel.sites.run import Drop, SitesResult, Terminated, run_sites
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"sites: error: {message}\n")  # one line, as the tool's other errors: no usage block
+
+
+def _rate_argument(text: str) -> int | None:
+    try:
+        return parse_rate(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """The tool's options (before ``--``), and ``script`` and ``args`` (after it)."""
+    p = _Parser(
+        prog="python -m fabric_multimodel.sites",
+        usage="%(prog)s --sites S --devices D --bandwidth RATE [options] -- SCRIPT [ARGS ...]",
+        description="Run a Fabric script as S simulated sites (network namespaces) joined by links of a given rate.",
+    )
+    p.add_argument("--sites", type=int, required=True, help="sites (nodes), each in its own network namespace")
+    p.add_argument("--devices", type=int, required=True, help="processes per site")
+    p.add_argument("--bandwidth", type=_rate_argument, required=True, help=f"each link, each way: {RATE_FORMS}")
+    p.add_argument("--out", type=Path, help="a new folder for the sites' logs (default: runs/sites/<run id>)")
+    p.add_argument(
+        "--launcher", choices=["fabric", "torchrun"], default="fabric", help="`fabric run` (default) or torchrun"
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="torchrun's worker group restarts (default 3)")
+    p.add_argument("--drop-site", type=int, help="kill this site (1..S-1) --at seconds after the scripts started")
+    p.add_argument("--at", type=float, help="when to drop the site, in seconds")
+    p.add_argument("--back", type=float, help="when to start the dropped site again, in seconds")
+    p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
+    p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:split])
+    if not argv[split + 1 :]:
+        p.error("give the script after --, as in: --sites 2 --devices 1 --bandwidth 10mbit -- train.py ARGS")
+    args.script, args.args = argv[split + 1], argv[split + 2 :]
+    if (args.at is not None or args.back is not None) and args.drop_site is None:
+        p.error("--at and --back need --drop-site")
+    if args.drop_site is not None and args.at is None:
+        p.error("--drop-site needs --at SECONDS")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: run the sites, return the worst site's exit code (2: a bad setting, 124: timed out,
+    130: Ctrl-C, 143: SIGTERM)."""
+    args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    drop = Drop(args.drop_site, args.at, args.back) if args.drop_site is not None else None
+    try:
+        result = run_sites(
+            args.script,
+            args.args,
+            sites=args.sites,
+            devices=args.devices,
+            bandwidth=args.bandwidth,
+            out=args.out,
+            launcher=args.launcher,
+            drop=drop,
+            timeout=args.timeout,
+            port=args.port,
+            max_restarts=args.max_restarts,
+        )
+    except SitesError as error:
+        print(f"sites: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sites: interrupted; every site stopped and the network removed", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("sites: terminated; every site stopped and the network removed", file=sys.stderr)
+        return 143
+    codes = ", ".join(f"{r}: {_describe(code, r, result)}" for r, code in enumerate(result.codes))
+    print(f"sites: exit {result.code} after {result.wall_s:.1f} s (sites {codes}); logs in {result.out}", flush=True)
+    return result.code
+
+
+def _describe(code: int, site: int, result: SitesResult) -> str:
+    if site in result.stopped:
+        return f"{code} (stopped)"
+    if result.drop is not None and site == result.drop.site and result.back_at is None:
+        return f"{code} (dropped)"
+    return str(code)
