@@ -179,7 +179,7 @@ def lm_settings(args: Any) -> list[Setting]:
             Setting(
                 "nodes-diloco=128",
                 "flat DiLoCo 128 (DDP over the world in warm-up)",
-                averaging(128, w, *DILOCO),
+                averaging(128, w, *DILOCO, "--layout", "flat"),
                 "flat",
                 2,
             ),
@@ -640,6 +640,9 @@ def run_on_sites(
         "description": setting.label,
         **final,
         "crossing_bytes_per_iter": crossing / final["steps"],
+        # DDP's gradient allreduce inside each site (islands): on these shared cores it competes with compute,
+        # which on accelerators it would not; the same setting's unlimited-link row shows what it costs in time.
+        "inside_bytes_per_iter": (comm.get("ddp_bytes", 0.0) if setting.islands else 0.0) / final["steps"],
         "measured_mbit_s": result.measured_mbit_s,
         "metrics": str(metrics),
         "run_s": round(result.wall_s, 1),
@@ -675,15 +678,16 @@ def report_sites(
         f" {warmup}; checkpoints {policy}. Utilisation: the faster of two no-communication runs (at the start and"
         f" the end of the sweep), {floor['wall_s'] / args.steps * 1e3:.1f} ms per iteration, times the steps, over"
         " the run's wall-clock; vs unlimited link: the same setting's time per iteration with no limit, over this"
-        " one's (what the link costs alone). Crossing bytes: per rank and iteration, the"
-        " collectives over groups that span sites."
+        " one's (what the link costs alone); the utilisation on an unlimited link is what the simulation costs"
+        " (DDP inside a site and the rounds' own work on the shared cores). Crossing bytes: per rank and iteration,"
+        " the collectives over groups that span sites; in-site DDP bytes: DDP's allreduce inside each site."
         + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
         + " Model: the cost model's wall-clock (benchmarks/site_sweep.py) from the measured link rate.\n"
     )
     # The same setting on an unlimited link: what it costs besides the link (DDP inside a site, the rounds' own work).
     unlimited = {r["setting"]: r["wall_s"] / r["steps"] for r in runs if r["bandwidth"] == "none"}
     headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "vs unlimited link"]
-    headers += ["crossing B/iter"]
+    headers += ["crossing B/iter", "in-site DDP B/iter"]
     headers += ["val loss", "to target s"] if task is LM else ["modes", "high quality"]
     headers += ["model wall s (error)"]
     table = []
@@ -697,6 +701,7 @@ def report_sites(
             f"{100 * r['utilisation']:.0f}%",
             f"{100 * unlimited[r['setting']] * r['steps'] / r['wall_s']:.0f}%" if r["setting"] in unlimited else "-",
             f"{r['crossing_bytes_per_iter']:,.0f}",
+            f"{r.get('inside_bytes_per_iter', 0.0):,.0f}",
         ]
         if task is LM:
             reached = r["time_to_target_s"]

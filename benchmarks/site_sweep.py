@@ -51,7 +51,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
     def run(period: int, *extra: str) -> tuple[str, ...]:
         return ("--period", str(period), "--warmup-steps", str(warmup), *diloco, *extra)
 
-    islands = ("--layout", "islands")
+    islands, flat = ("--layout", "islands"), ("--layout", "flat")
     streaming = ("--fragments", "4", "--overlap-steps", "16")
     if quick:
         return [
@@ -68,8 +68,10 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
         ]
     return [
         SiteSetting("sync", "synchronous DDP", ("--period", "0")),
-        SiteSetting("diloco=128", "DiLoCo 128", run(128)),
-        SiteSetting("diloco=128-overlap=8", "DiLoCo 128, overlapped 8", run(128, "--overlap-steps", "8"), hidden=8),
+        SiteSetting("diloco=128", "DiLoCo 128", run(128, *flat)),
+        SiteSetting(
+            "diloco=128-overlap=8", "DiLoCo 128, overlapped 8", run(128, *flat, "--overlap-steps", "8"), hidden=8
+        ),
         SiteSetting("islands-diloco=128", "islands, DiLoCo 128", run(128, *islands), islands=True),
         SiteSetting(
             "streaming=128",
@@ -78,6 +80,26 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             hidden=16,
             islands=True,
             fragments=4,
+        ),
+        # The examples' defaults for a run across sites: no --layout (islands, since the world spans the sites).
+        SiteSetting(
+            "default=128",
+            "streaming DiLoCo 128 (F=4, overlap 16), default layout",
+            run(128, *streaming),
+            hidden=16,
+            islands=True,
+            fragments=4,
+            links=("none", "100mbit", "10mbit"),
+        ),
+        SiteSetting(
+            "default=128-fp4",
+            "streaming DiLoCo 128, fp4, default layout",
+            run(128, *streaming, "--comm-dtype", "float4_e2m1fn_x2"),
+            hidden=16,
+            islands=True,
+            bytes_ratio=QUANTIZED_BYTES["float4_e2m1fn_x2"],
+            fragments=4,
+            links=("none", "10mbit", "1mbit"),
         ),
         SiteSetting(
             "streaming=128-bf16",
@@ -115,7 +137,9 @@ def ring_site_settings(warmup: int) -> list[SiteSetting]:
     return [
         SiteSetting("sync", "synchronous DDP", ("--period", "0")),
         *(
-            SiteSetting(f"period={p}", f"period {p}", ("--period", str(p), "--warmup-steps", str(warmup)))
+            SiteSetting(
+                f"period={p}", f"period {p}", ("--period", str(p), "--warmup-steps", str(warmup), "--layout", "flat")
+            )
             for p in (8, 32)
         ),
     ]
@@ -124,7 +148,9 @@ def ring_site_settings(warmup: int) -> list[SiteSetting]:
 def floor_setting(steps: int) -> SiteSetting:
     """No communication at all: one round at the very end (the compute the others are measured against)."""
     return SiteSetting(
-        "no-comm", "no communication (1 round, at the end)", ("--period", str(steps), "--warmup-steps", "0")
+        "no-comm",
+        "no communication (1 round, at the end)",
+        ("--period", str(steps), "--warmup-steps", "0", "--layout", "flat"),
     )
 
 

@@ -47,6 +47,7 @@ from common import (
     add_averaging_arguments,
     add_run_arguments,
     averager_options,
+    averaging_line,
     check_arguments,
     comm_line,
     final_line,
@@ -203,6 +204,8 @@ def train(args: argparse.Namespace) -> int | None:
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [opt_g, opt_d])
     averager = Averager(fabric, [gen, disc], **options) if options else None
+    if averager is not None:
+        fabric.print(averaging_line(args, averager))
     config = run_config(args, dataset=args.dataset, z_dim=z_dim)
     state: dict[str, Any] = {
         "gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d, "step": 0, "grad_bytes": 0, "config": config,

@@ -64,6 +64,7 @@ from common import (
     add_averaging_arguments,
     add_run_arguments,
     averager_options,
+    averaging_line,
     check_arguments,
     comm_line,
     fail,
@@ -398,6 +399,8 @@ def train(args: argparse.Namespace) -> int | None:
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [optimizer])
     averager = Averager(fabric, model, **options) if options else None
+    if averager is not None:
+        fabric.print(averaging_line(args, averager))
     config = run_config(
         args,
         data=[str(path) for path in args.data] if args.data else "python-stdlib",

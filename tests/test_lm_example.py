@@ -351,3 +351,21 @@ def test_progress_rate_counts_from_the_step_a_run_resumed_at(lm: ModuleType, mon
     progress = lm.Progress(total=100, start=50, every=10, enabled=True)
     progress(60, lambda: {"loss": 1.0})
     assert capsys.readouterr().out.strip() == "step 60/100 loss=1.000 5 it/s"
+
+
+@pytest.mark.parametrize(
+    "flags, layout",
+    [
+        (["--period", "8", "--num-nodes", "2", "--devices", "1"], "islands"),  # warm-up never crosses nodes
+        (["--period", "8", "--num-nodes", "2", "--devices", "1", "--layout", "flat"], "flat"),
+        (["--period", "8", "--num-nodes", "2", "--devices", "1", "--node-period", "4"], "flat"),  # two-level
+        (["--num-nodes", "2", "--devices", "1"], "flat"),  # synchronous: DDP over the world
+        (["--period", "8", "--devices", "2"], "flat"),  # one node: local SGD among its processes
+    ],
+)
+def test_the_default_layout_keeps_warm_up_inside_each_node(
+    lm: ModuleType, flags: list[str], layout: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["lm_fabric.py", "--out", str(tmp_path / "run"), *flags])
+    args = lm.parse_args()
+    assert args.layout == layout

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning_fabric import Fabric
@@ -274,6 +275,39 @@ def test_a_model_with_no_trainable_parameters_is_set_up_without_ddp(worlds):
     for result in worlds(2).run(untrainable_teacher):
         assert result["ddp"] == [True, False]
         assert result["fabric_module"] == "_FabricModule" and result["in_sync"]
+
+
+def alone_in_a_group(fabric):
+    """Each rank's DDP over a group of its own (islands with one device per node) beside the same model
+    unwrapped: the collectives of the training steps, and whether both trained to bitwise the same values;
+    then an Averager across the ranks, and whether the replicas end equal."""
+    own = [dist.new_group([rank]) for rank in range(fabric.world_size)][fabric.global_rank]
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    (model,) = setup_models(fabric, m=copy.deepcopy(plain), process_group=own)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+
+    def steps(module, optimizer):
+        for step in range(3):
+            data = torch.Generator().manual_seed(10 * step + fabric.global_rank)
+            x, y = torch.randn(5, 3, generator=data), torch.randn(5, 2, generator=data)
+            nn.functional.mse_loss(module(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    issued = collectives(steps, model, optimizers[0])
+    steps(plain, optimizers[1])
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+    with Averager(fabric, model, period=2) as averager:
+        steps(model, optimizers[0])
+        averager.step()
+    return {"issued": issued, "same": same, "in_sync": bool(replicas_in_sync(fabric, model))}
+
+
+def test_a_ddp_over_one_process_costs_nothing(worlds):
+    for result in worlds(2).run(alone_in_a_group):
+        assert result["issued"] == [], result["issued"]  # no allreduce, no buffer broadcast
+        assert result["same"] and result["in_sync"], result
 
 
 # --- bad input raises on every rank, before any collective ----------------------------------------
