@@ -519,37 +519,44 @@ def fail(fabric: Fabric, message: str) -> NoReturn:
 class StopSignal:
     """SIGTERM asks for a checkpoint and a clean stop; :meth:`requested` makes every rank agree on when.
 
-    The agreement is one small allreduce per check (every ``--log-every`` steps), launched at a check and read
-    at the next one, so it never waits on the link: behind a slow one, a blocking allreduce would queue behind
-    the round in flight and stall every rank. A SIGTERM therefore stops the run one check after it arrived.
+    Every ``EVERY`` steps each rank launches a vote (one small allreduce of its flag) and reads the vote
+    launched ``LAG`` steps earlier: every rank stops at the same step, at most ``EVERY + LAG`` steps after the
+    signal (before: the next check after the next ``--log-every`` steps, 10 to 15 s on a 2000-step run). The
+    votes have a process group of their own, so they never queue behind a round in flight, and the lag
+    leaves them time to cross a slow link's queue: a read almost never waits.
     """
 
-    def __init__(self) -> None:
+    EVERY, LAG = 4, 24
+
+    def __init__(self, fabric: Fabric) -> None:
         self.received = False
-        self._vote: tuple[torch.Tensor, Any] | None = None  # this rank's flag and the allreduce summing it
+        # The votes in flight, oldest first: (the step it was launched at, the flag, its allreduce).
+        self._votes: list[tuple[int, torch.Tensor, Any]] = []
+        # gloo whatever the training's backend: the flags are a few bytes on the CPU, read on the CPU.
+        self._group = dist.new_group(backend="gloo") if fabric.world_size > 1 else None
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = True
 
-    def requested(self, fabric: Fabric) -> bool:
-        if fabric.world_size == 1:
+    def requested(self, step: int) -> bool:
+        """Call it once per step on every rank; True (on every rank at the same step) once any rank got SIGTERM."""
+        if self._group is None:
             return self.received
-        verdict = self._count() > 0
-        if not verdict:
-            flag = torch.tensor([int(self.received)], device=fabric.device)
-            self._vote = (flag, dist.all_reduce(flag, async_op=True))
+        verdict = bool(self._votes) and self._votes[0][0] + self.LAG <= step and self._count() > 0
+        if not verdict and step % self.EVERY == 0:
+            flag = torch.tensor([int(self.received)])
+            self._votes.append((step, flag, dist.all_reduce(flag, group=self._group, async_op=True)))
         return verdict
 
     def close(self) -> None:
-        """Wait for the vote in flight (every rank launched it): nothing may be left half-issued at the end."""
-        self._count()
+        """Wait for the votes in flight (every rank launched them): nothing may be left half-issued at the end."""
+        while self._votes:
+            self._count()
 
     def _count(self) -> int:
-        if self._vote is None:
-            return 0
-        (flag, work), self._vote = self._vote, None
+        _, flag, work = self._votes.pop(0)
         work.wait()
         return int(flag.item())
 

@@ -216,7 +216,7 @@ def train(args: argparse.Namespace) -> int | None:
         resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    stop = StopSignal()
+    stop = StopSignal(fabric)
 
     def save(step: int, sync: bool = True) -> Path:
         if averager is not None and sync and not checkpointer.local:
@@ -263,11 +263,11 @@ def train(args: argparse.Namespace) -> int | None:
                 if args.dataset == "ring" and fabric.is_global_zero:  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
-                if step < args.steps and stop.requested(fabric):
-                    path = save(step)
-                    checkpointer.close()  # the write may be in the background: it must land before the exit
-                    fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
-                    return 143
+            if step < args.steps and stop.requested(step):
+                path = save(step)
+                checkpointer.close()  # the write may be in the background: it must land before the exit
+                fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
+                return 143
             checkpoint_due |= bool(args.checkpoint_every) and step % args.checkpoint_every == 0
             if checkpoint_due and step < args.steps and not (averager is not None and averager.pending):
                 save(step)

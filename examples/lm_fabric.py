@@ -417,7 +417,7 @@ def train(args: argparse.Namespace) -> int | None:
         resume(fabric, args, state)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    stop = StopSignal()
+    stop = StopSignal(fabric)
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
     stream = Stream(corpus.train, args.context, args.seed, fabric.global_rank)
     stream.position = state["data_position"]
@@ -473,11 +473,11 @@ def train(args: argparse.Namespace) -> int | None:
                     metrics["val_loss"] = evaluate(model, eval_batches)
                     state["history"].append([step, sent(), metrics["val_loss"]])
                 fabric.log_dict(metrics, step=step)
-                if stop.requested(fabric):
-                    path = save(step)
-                    checkpointer.close()  # the write may be in the background: it must land before the exit
-                    fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
-                    return 143
+            if step < args.steps and stop.requested(step):
+                path = save(step)
+                checkpointer.close()  # the write may be in the background: it must land before the exit
+                fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
+                return 143
             checkpoint_due |= bool(args.checkpoint_every) and step % args.checkpoint_every == 0
             if checkpoint_due and step < args.steps and not (averager is not None and averager.pending):
                 save(step)

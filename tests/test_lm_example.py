@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -369,3 +370,31 @@ def test_the_default_layout_keeps_warm_up_inside_each_node(
     monkeypatch.setattr(sys, "argv", ["lm_fabric.py", "--out", str(tmp_path / "run"), *flags])
     args = lm.parse_args()
     assert args.layout == layout
+
+
+def test_sigterm_stops_every_rank_within_a_few_steps(tmp_path: Path) -> None:
+    """Two processes, checks far apart (--log-every 50000): a SIGTERM to both (as torchrun's agent sends it) stops
+    them at the same step soon after, with a checkpoint of that step; it used to wait for the next check."""
+    cmd = [sys.executable, SCRIPT, "--devices", "2", "--steps", "100000", "--log-every", "50000"]
+    cmd += ["--checkpoint-every", "0", "--out", str(tmp_path), "--eval-batches", "1"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LT_", "TORCHELASTIC_"))}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**clean, "PYTHONUNBUFFERED": "1"}, stdout=PIPE, stderr=PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        first = proc.stdout.readline()  # rank 0's first line: its world and model are built
+        assert first.startswith("model: "), first + proc.stderr.read()
+        time.sleep(3)  # well into training
+        os.killpg(proc.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=60)
+        seconds = time.monotonic() - signalled
+    finally:
+        stop_process_tree(proc)
+    assert proc.returncode == 143, stderr[-3000:]
+    stopped = stdout.strip().splitlines()[-1]
+    assert stopped.startswith("stopped by SIGTERM at step "), stdout[-2000:]
+    step = int(stopped.split("at step ")[1].split(";")[0])
+    assert 0 < step < 50000 and torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == step
+    assert seconds < 30, seconds  # a few steps, the checkpoint and the exit: not the next check
