@@ -153,7 +153,12 @@ def lm_compare_settings(args: Any) -> list[Setting]:
     return [
         Setting("diloco=128", "DiLoCo 128, blocking", base, "D128"),
         Setting("diloco=128-overlap=8", "DiLoCo 128, overlapped 8", (*base, "--overlap-steps", "8"), "o8"),
-        Setting("streaming=128", "streaming DiLoCo 128 (F=4, overlap 16), global + local progress", streaming, "F4"),
+        Setting(
+            "streaming=128",
+            "streaming DiLoCo 128 (F=4, overlap 16), global + local progress",
+            (*streaming, "--mixing", "progress"),
+            "F4",
+        ),
         Setting(
             "streaming=128-mixing=0.5",
             "streaming DiLoCo 128 (F=4, overlap 16), mixing 0.5",

@@ -398,3 +398,23 @@ def test_sigterm_stops_every_rank_within_a_few_steps(tmp_path: Path) -> None:
     step = int(stopped.split("at step ")[1].split(";")[0])
     assert 0 < step < 50000 and torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == step
     assert seconds < 30, seconds  # a few steps, the checkpoint and the exit: not the next check
+
+
+@pytest.mark.parametrize(
+    "flags, mixing",
+    [
+        (["--fragments", "4", "--overlap-steps", "16"], 0.5),  # streaming: measured best on two seeds
+        (["--fragments", "4", "--overlap-steps", "16", "--mixing", "progress"], None),  # the other merge, asked for
+        (["--fragments", "4", "--overlap-steps", "16", "--mixing", "0.25"], 0.25),
+        (["--overlap-steps", "16"], None),  # no fragments: global + local progress
+    ],
+)
+def test_streaming_rounds_mix_half_by_default(
+    lm: ModuleType, flags: list[str], mixing: float | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    common = importlib.import_module("common")
+    argv = ["lm_fabric.py", "--out", str(tmp_path / "run"), "--period", "128", "--outer", "nesterov", *flags]
+    monkeypatch.setattr(sys, "argv", argv)
+    args = lm.parse_args()
+    options = common.averager_options(args, common.Layout({}, {}, None), [])
+    assert options.get("mixing") == mixing
