@@ -351,13 +351,9 @@ def averaging_line(args: argparse.Namespace, averager: Averager) -> str:
     """An averaging run's first line: what the Averager does and in which layout (and why, when --layout was not
     given)."""
     line = f"averaging: {averager.config} layout={args.layout}"
-    if getattr(args, "layout_chosen", False):
+    if getattr(args, "layout_chosen", False) and args.layout == "islands":
         nodes = world_shape(args)[1]
-        line += (
-            f" (the world spans {nodes} nodes: warm-up and DDP stay inside each; --layout flat for DDP across nodes)"
-            if args.layout == "islands"
-            else ""
-        )
+        line += f" (the world spans {nodes} nodes: warm-up and DDP stay inside each; --layout flat: DDP across them)"
     return line
 
 

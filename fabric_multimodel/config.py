@@ -100,17 +100,17 @@ class AveragerConfig:
     def agreement(self) -> tuple[Any, ...]:
         """What every rank's config must agree on, in a form that prints the same on every rank (a factory's
         repr holds addresses, so only its presence counts; fragment groups count by their number)."""
-        return tuple(
-            (self.outer_optimizer is not None)
-            if field.name == "outer_optimizer"
-            else str(value)
-            if field.name == "comm_dtype"
-            else value
-            if field.name != "fragments" or isinstance(value, int)
-            else len(value)
-            for field in dataclasses.fields(self)
-            for value in [getattr(self, field.name)]
-        )
+        return tuple(_comparable(field.name, getattr(self, field.name)) for field in dataclasses.fields(self))
+
+
+def _comparable(name: str, value: Any) -> Any:
+    if name == "outer_optimizer":
+        return value is not None
+    if name == "comm_dtype":
+        return str(value)
+    if name == "fragments" and not isinstance(value, int):
+        return len(value)
+    return value
 
 
 def _short(value: Any) -> str:

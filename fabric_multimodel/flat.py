@@ -52,6 +52,7 @@ class FlatStorage:
         self.sizes: list[int] = []
         self.buffers: list[torch.Tensor] = []
         self._addresses: list[int] = []
+        self._copies: list[torch.Tensor] = []  # not re-homed: each tensor's place in the buffers
         with torch.no_grad():
             for (device, dtype), indices in groups.items():
                 size = sum(tensors[i].numel() for i in indices)
@@ -65,6 +66,8 @@ class FlatStorage:
                         # `.data =` swaps the storage under the same Python object, so the Parameter
                         # that optimizers and DDP's reducer hold now reads and writes the flat buffer.
                         t.data = view
+                    else:
+                        self._copies.append(view)
                     self.tensors.append(t)
                     self.names.append(names[i] if names is not None else f"tensor {i}")
                     self.slots.append((len(self.buffers), offset, t.numel()))
@@ -86,15 +89,14 @@ class FlatStorage:
         if self.rehome:
             yield
             return
-        copies = self.views(self.buffers, range(len(self.tensors)))
         with torch.no_grad():
-            for copy, t in zip(copies, self.tensors):
+            for copy, t in zip(self._copies, self.tensors):
                 copy.copy_(t)
         try:
             yield
         finally:
             with torch.no_grad():
-                for copy, t in zip(copies, self.tensors):
+                for copy, t in zip(self._copies, self.tensors):
                     t.copy_(copy)
 
     @property
