@@ -6,11 +6,13 @@ one uninterrupted, and one in which site 1 is killed (SIGKILL to its agent and w
 in and, with ``--back``, started again later. Reported: the time from the kill to the survivors' failed
 round (the agent's log), from there to training again (the example's ``--resume auto`` line: rendezvous,
 worker start, checkpoint load), the steps lost (the failed round's step minus the resumed one), when the
-site rejoined, and the final validation losses side by side.
+site rejoined (and where the rejoining site's start went, phase by phase), and the final validation losses side
+by side. With ``--join-at``, no site is dropped: a third site starts that many seconds in and joins the run.
 
 Usage::
 
     python benchmarks/elastic.py [--quick] [--out DIR] [--bandwidth 100mbit] [--at 40] [--back 80] [--streaming]
+    python benchmarks/elastic.py --streaming --period 128 --bandwidth 10mbit --join-at 50  # a third site joins
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
 from fabric_multimodel.launch import parse_final_line  # noqa: E402
-from fabric_multimodel.sites import Drop, run_sites  # noqa: E402
+from fabric_multimodel.sites import Drop, Join, run_sites  # noqa: E402
 
 NAME = "elastic"
 KEYS = (
@@ -35,12 +37,15 @@ KEYS = (
     "rounds",
 )  # fmt: skip
 RESUMED = re.compile(r"--resume auto: step (\d+) from \S+ into (\d+) processes \(unix time ([\d.]+)")
+# The same line's phases: "seconds: start=9.1 fabric=2.0 ... transfer=6.1 load=0.2".
+PHASES = re.compile(r"--resume auto: step \d+ from \S+ into (\d+) processes .*seconds: ([^;\n]*)", re.MULTILINE)
+RECEIVED = re.compile(r"--resume auto: step \d+ from \S+ into (\d+) processes .*; received ([\d.]+) MB")
 FAILED_ROUND = re.compile(r"averaging round \d+ at step (\d+)(?: \(fragment \d+ of \d+\))? failed")
 # torch elastic's log prefix, e.g. "E1201 22:28:35.218000 18922 .../api.py:1002] failed (exitcode: 1)"
 AGENT_FAILED = re.compile(r"^[EW](\d{4} \d\d:\d\d:\d\d\.\d+) \d+ .*failed \(exitcode")
 
 
-def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
+def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> dict[str, Any]:
     folder = args.out / f"{NAME}_runs" / label
     if folder.exists():
         shutil.rmtree(folder)
@@ -53,12 +58,13 @@ def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
     result = run_sites(
         common.REPO / "examples" / "lm_fabric.py",
         script,
-        sites=2,
+        sites=3 if join else 2,
         devices=args.devices,
         bandwidth=args.bandwidth,
         out=folder / "sites",
         launcher="torchrun",
         drop=drop,
+        join=join,
         stream=False,
         timeout=args.run_timeout,
     )
@@ -68,6 +74,12 @@ def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
         row.update({k: float(v) for k, v in parse_final_line(out, KEYS).items()})
     resumes = [(int(s), int(w), float(t)) for s, w, t in RESUMED.findall(out)]
     row["resumes"] = resumes
+    if join is not None and result.joined_at is not None:
+        joined = result.started + result.joined_at
+        grown = next(((s, w, t) for s, w, t in resumes if t > joined and w == 3 * args.devices), None)
+        if grown:
+            row["back_to_training_s"] = grown[2] - joined
+        row.update(_phases(result.logs[join.site][0], 3 * args.devices))
     if drop is not None and result.dropped_at is not None:
         killed = result.started + result.dropped_at
         failures = [_agent_time(m.group(1), killed) for line in err.splitlines() if (m := AGENT_FAILED.match(line))]
@@ -87,6 +99,19 @@ def run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
         grown = next(((s, w, t) for s, w, t in resumes if t > killed and w == 2 * args.devices), None)
         if grown and result.back_at is not None:
             row["back_to_training_s"] = grown[2] - (result.started + result.back_at)
+        row.update(_phases(result.logs[1][0], 2 * args.devices))
+    return row
+
+
+def _phases(log: Any, world: int) -> dict[str, Any]:
+    """Where a site's start into a world of ``world`` went: its first process's ``--resume auto`` line, the last one,
+    and what it received."""
+    text = log.read_text()
+    lines = [p for w, p in PHASES.findall(text) if int(w) == world]
+    received = [float(mb) for w, mb in RECEIVED.findall(text) if int(w) == world]
+    row: dict[str, Any] = {"received_mb": received[-1]} if received else {}
+    if lines:
+        row["rejoin_phases"] = {k: float(v) for k, v in (item.split("=") for item in lines[-1].split())}
     return row
 
 
@@ -115,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--at", type=float, default=None, help="seconds after the start to kill site 1 (default 45)")
     p.add_argument("--back", type=float, default=None, help="seconds after the start to bring it back (default 80)")
+    p.add_argument(
+        "--join-at", type=float, default=None, help="instead of a drop: a third site starts this many seconds in"
+    )
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run is abandoned")
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--`")
     args = p.parse_args(argv)
@@ -126,37 +154,57 @@ def main(argv: list[str] | None = None) -> None:
     back = args.back if args.back is not None else (45.0 if args.quick else 80.0)
     info = common.machine_info()
     rows = [run(args, "uninterrupted", None)]
-    common.progress(f"uninterrupted: {rows[0]['wall_s']:.0f} s")
-    rows.append(run(args, "site-1-dropped", Drop(site=1, at=at, back=back or None)))
-    common.progress(f"dropped: {rows[1]['wall_s']:.0f} s")
-    whole, dropped = rows
-    print(f"# Losing a site under torchrun's elastic agent{' (QUICK)' if args.quick else ''}\n")
+    common.progress(f"uninterrupted: exit code {rows[0]['code']}, {rows[0]['sites_wall_s']:.0f} s")
+    if args.join_at:
+        rows.append(run(args, "site-2-joins", None, Join(site=2, at=args.join_at)))
+    else:
+        rows.append(run(args, "site-1-dropped", Drop(site=1, at=at, back=back or None)))
+    whole, changed = rows
+    label = "site 2 joins" if args.join_at else "site 1 dropped"
+    common.progress(f"{label}: exit code {changed['code']}, {changed['sites_wall_s']:.0f} s")
+    print(f"# {'A site joining' if args.join_at else 'Losing a site'} under torchrun's elastic agent"
+          f"{' (QUICK)' if args.quick else ''}\n")  # fmt: skip
     print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=args.devices, steps=args.steps))
     mode = f"islands streaming DiLoCo {args.period} (4 fragments, overlap {args.period // 8})" if args.streaming else ""
+    event = (
+        f"site 2 starts at {args.join_at:.0f} s"
+        if args.join_at
+        else f"site 1 killed at {at:.0f} s" + (f", back at {back:.0f} s" if back else "")
+    )
     print(
         f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, 2 sites x {args.devices} processes behind"
-        f" {args.bandwidth}; site 1 killed at {at:.0f} s" + (f", back at {back:.0f} s" if back else "") + ".\n"
+        f" {args.bandwidth}; {event}.\n"
     )
 
     def cell(value: Any, fmt: str = "{:.1f}") -> str:
         return "-" if value is None else fmt.format(value)
 
     table = [
-        ["exit codes (site 0)", whole["code"], dropped["code"]],
-        ["steps finished", cell(whole.get("steps"), "{:g}"), cell(dropped.get("steps"), "{:g}")],
-        ["final validation loss", cell(whole.get("val_loss"), "{:.4f}"), cell(dropped.get("val_loss"), "{:.4f}")],
-        ["wall-clock s (the tool's, start to end)", cell(whole["sites_wall_s"]), cell(dropped["sites_wall_s"])],
-        ["wall-clock s (the example's, its last start)", cell(whole.get("wall_s")), cell(dropped.get("wall_s"))],
-        ["kill -> survivors' round fails, s", "-", cell(dropped.get("detect_s"))],
-        ["failed round -> training again, s", "-", cell(dropped.get("restart_s"))],
-        ["kill -> training again, s", "-", cell(dropped.get("kill_to_training_s"))],
-        ["steps lost (failed round - resumed)", "-", cell(dropped.get("steps_lost"), "{:g}")],
-        ["site back -> training with both, s", "-", cell(dropped.get("back_to_training_s"))],
+        ["exit codes (site 0)", whole["code"], changed["code"]],
+        ["steps finished", cell(whole.get("steps"), "{:g}"), cell(changed.get("steps"), "{:g}")],
+        ["final validation loss", cell(whole.get("val_loss"), "{:.4f}"), cell(changed.get("val_loss"), "{:.4f}")],
+        ["wall-clock s (the tool's, start to end)", cell(whole["sites_wall_s"]), cell(changed["sites_wall_s"])],
+        ["wall-clock s (the example's, its last start)", cell(whole.get("wall_s")), cell(changed.get("wall_s"))],
     ]
-    if whole.get("val_loss") and dropped.get("val_loss"):
-        table.append(["loss vs uninterrupted", "-", f"{100 * (dropped['val_loss'] / whole['val_loss'] - 1):+.2f}%"])
-    print(common.markdown_table(["", "uninterrupted", "site 1 dropped"], table))
-    print(f"\nresumes (step, processes): {[(s, w) for s, w, _ in dropped['resumes']]}")
+    if not args.join_at:
+        table += [
+            ["kill -> survivors' round fails, s", "-", cell(changed.get("detect_s"))],
+            ["failed round -> training again, s", "-", cell(changed.get("restart_s"))],
+            ["kill -> training again, s", "-", cell(changed.get("kill_to_training_s"))],
+            ["steps lost (failed round - resumed)", "-", cell(changed.get("steps_lost"), "{:g}")],
+        ]
+    arrived = "site starts -> training with all 3, s" if args.join_at else "site back -> training with both, s"
+    table += [
+        [arrived, "-", cell(changed.get("back_to_training_s"))],
+        ["MB the arriving site received", "-", cell(changed.get("received_mb"), "{:.2f}")],
+    ]
+    if whole.get("val_loss") and changed.get("val_loss"):
+        table.append(["loss vs uninterrupted", "-", f"{100 * (changed['val_loss'] / whole['val_loss'] - 1):+.2f}%"])
+    print(common.markdown_table(["", "uninterrupted", label], table))
+    print(f"\nresumes (step, processes): {[(s, w) for s, w, _ in changed['resumes']]}")
+    if changed.get("rejoin_phases"):
+        phases = " ".join(f"{name} {seconds:.1f}" for name, seconds in changed["rejoin_phases"].items())
+        print(f"the arriving site's start, seconds per phase: {phases}")
     common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
 
 

@@ -38,7 +38,7 @@ from fabric_multimodel.checkpoints import (
     replica_path,
     save_checkpoint,
 )
-from fabric_multimodel.elastic import restart_count, resume_latest
+from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
 from fabric_multimodel.launch import shutdown
 
 
@@ -450,13 +450,14 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
 
 
-def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> None:
+def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phases: StartPhases | None = None) -> None:
     """Load ``--resume`` into ``state`` (every rank reads it); any problem is one line and exit code 2.
 
     ``--resume auto`` loads the newest checkpoint any rank finds in the run folder (one small allreduce, and a
     broadcast when the ranks' copies differ: a node that rejoins with an older one), or starts afresh when
     there is none. ``state["config"]`` holds what :func:`run_config` returned for this run; the
-    checkpoint's must match it, and the checkpoint must not be beyond ``--steps``.
+    checkpoint's must match it, and the checkpoint must not be beyond ``--steps``. The ``--resume auto`` line
+    ends with ``phases``, completed with :func:`resume_latest`'s own.
     """
     config = state["config"]  # the load replaces it with the checkpoint's
     path = args.out / "checkpoint.pt" if args.resume == AUTO else args.resume
@@ -476,16 +477,24 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> N
 
     try:
         if args.resume == AUTO:
-            resumed = resume_latest(fabric, path, state, validate=same_settings)
+            resumed = resume_latest(
+                fabric, path, state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
+            )
             if resumed is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
                 return
             restart = f", torchrun restart {restart_count()}" if restart_count() else ""
-            # The clock time lets a benchmark tell how long a lost node kept the others from training.
-            fabric.print(
-                f"--resume auto: step {resumed.step} from {path} into {fabric.world_size} processes"
-                f" (unix time {time.time():.1f}{restart})"
-            )
+            seconds = {**(phases.seconds if phases else {}), **resumed.seconds}
+            # The clock time lets a benchmark tell how long a lost node kept the others from training; each
+            # node's first process prints it, so that a node that rejoined says where its start went.
+            if fabric.local_rank == 0:
+                print(
+                    f"--resume auto: step {resumed.step} from {path} into {fabric.world_size} processes"
+                    f" (unix time {time.time():.1f}{restart}); seconds: "
+                    + " ".join(f"{name}={value:.1f}" for name, value in seconds.items())
+                    + transfer_summary(resumed),
+                    flush=True,
+                )
             extra = resumed.extra
         else:
             extra = load_checkpoint(fabric, path, state, validate=same_settings)
@@ -502,6 +511,23 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any]) -> N
             f"{path} was written by {written_by} processes and resumes into {fabric.world_size}: every"
             " process starts from the checkpoint's replica and optimizer state (rank 0's, averaged before saving)"
         )
+
+
+def transfer_progress(fabric: Fabric, done: int, total: int, seconds: float) -> None:
+    """``resume_latest``'s progress on a long transfer, printed by each node's first process."""
+    if fabric.local_rank == 0:
+        print(f"--resume auto: {done / 1e6:.2f} of {total / 1e6:.2f} MB in {seconds:.1f} s", flush=True)
+
+
+def transfer_summary(resumed: Resumed) -> str:
+    """What a rank whose own copy was older received, and what it kept: ``; received 1.83 MB; kept ...``."""
+    if resumed.own_step == resumed.step:
+        return f"; sent {resumed.bytes / 1e6:.2f} MB" if resumed.bytes else ""
+    text = f"; received {resumed.bytes / 1e6:.2f} MB"
+    if resumed.kept:
+        where = f"its own copy at step {resumed.own_step}" if resumed.own_step >= 0 else "no copy: as built"
+        text += f"; kept {', '.join(resumed.kept)} ({where})"
+    return text
 
 
 def own_replica(path: Path, index: int, *, explicit: bool) -> Path:
@@ -569,6 +595,39 @@ class StopSignal:
         _, flag, work = self._votes.pop(0)
         work.wait()
         return int(flag.item())
+
+
+class StartPhases:
+    """Where this process's start went, in seconds per phase, for the ``--resume auto`` line.
+
+    ``start`` runs from the process's creation (Linux: ``/proc``; elsewhere it is left out) to this
+    object: the interpreter, the imports, the arguments. Each :meth:`mark` ends the phase of its name.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.time()
+        created = _process_created()
+        if created is not None:
+            self.seconds["start"] = self._last - created
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name], self._last = now - self._last, now
+
+    def __str__(self) -> str:
+        return " ".join(f"{name}={seconds:.1f}" for name, seconds in self.seconds.items())
+
+
+def _process_created() -> float | None:
+    """Unix time this process was created, from ``/proc`` (None where there is none)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+    except (OSError, StopIteration):
+        return None
+    ticks = int(stat.rpartition(")")[2].split()[19])  # field 22, starttime, counted after the name
+    return int(boot.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
 
 
 class Progress:

@@ -43,6 +43,7 @@ from common import (
     GradientBytes,
     Parser,
     Progress,
+    StartPhases,
     StopSignal,
     add_averaging_arguments,
     add_run_arguments,
@@ -199,11 +200,16 @@ def save_picture(path: Path, samples: torch.Tensor) -> None:
 
 def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
+    phases = StartPhases()
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
+    phases.mark("fabric")
     placement = layout(fabric, args)
+    phases.mark("groups")
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [opt_g, opt_d])
+    phases.mark("models")
     averager = Averager(fabric, [gen, disc], **options) if options else None
+    phases.mark("averager")
     if averager is not None:
         fabric.print(averaging_line(args, averager))
     config = run_config(args, dataset=args.dataset, z_dim=z_dim)
@@ -213,7 +219,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None:
         state["averager"] = averager
     if args.resume is not None:
-        resume(fabric, args, state)  # into the objects above; plain values come back in `state`
+        resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
     stop = StopSignal(fabric)

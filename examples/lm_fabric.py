@@ -60,6 +60,7 @@ from common import (
     GradientBytes,
     Parser,
     Progress,
+    StartPhases,
     StopSignal,
     add_averaging_arguments,
     add_run_arguments,
@@ -390,15 +391,21 @@ def save_plot(path: Path, history: Sequence[Sequence[float]]) -> None:
 
 def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
+    phases = StartPhases()
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
+    phases.mark("fabric")
     try:
         corpus = load_corpus(args.data, args.context)
     except CorpusError as error:
         fail(fabric, f"--data: {error}")
+    phases.mark("data")
     placement = layout(fabric, args)
+    phases.mark("groups")
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [optimizer])
+    phases.mark("models")
     averager = Averager(fabric, model, **options) if options else None
+    phases.mark("averager")
     if averager is not None:
         fabric.print(averaging_line(args, averager))
     config = run_config(
@@ -414,7 +421,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None:
         state["averager"] = averager
     if args.resume is not None:
-        resume(fabric, args, state)  # into the objects above; plain values come back in `state`
+        resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
     stop = StopSignal(fabric)

@@ -457,6 +457,27 @@ class Averager:
         if self._ddp_settings is not None:
             self._apply_phase()
 
+    def restore_global(self) -> None:
+        """Set the averaged tensors to the global model, their anchors; no collective.
+
+        What :meth:`load_state_dict` does for a replica resuming from another replica's checkpoint, for a
+        replica whose modules were loaded from elsewhere (its own older checkpoint, say) and whose Averager
+        state is the newest (see :func:`~fabric_multimodel.elastic.resume_latest`). Anchored rounds past
+        warm-up only; a fragment still to have its first round keeps its values.
+
+        Example::
+
+            averager.load_state_dict(newest["averager"])
+            averager.restore_global()
+        """
+        if not self.anchored or not self.local:
+            raise RuntimeError(
+                "Averager.restore_global: there is no global model to restore before an anchored round"
+                " (DiLoCo, comm_dtype) and the end of warm-up; load a state past warm-up first."
+            )
+        with self._round.storage.synced():
+            self._round.restore_global()
+
     # --- the schedule's events -----------------------------------------------------------------
 
     @property

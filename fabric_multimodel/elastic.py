@@ -28,15 +28,19 @@ Example::
 
 from __future__ import annotations
 
+import io
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from fabric_multimodel.checkpoints import CheckpointError, load_state, read_checkpoint
+from fabric_multimodel.averaging import Averager
+from fabric_multimodel.checkpoints import CheckpointError, _serialize, load_state, read_checkpoint
 from fabric_multimodel.collectives import group_rank, group_size
 
 
@@ -52,14 +56,30 @@ def restart_count() -> int:
 
 
 class Resumed(NamedTuple):
-    """What :func:`resume_latest` loaded: the checkpoint's step, the rank whose copy it was, whether it
-    travelled to the other ranks (their own copies were older or missing), and what the checkpoint held
-    beyond ``state``."""
+    """What :func:`resume_latest` loaded, on this rank.
+
+    ``step``: the checkpoint's; ``source``: the rank whose copy it was; ``broadcast``: whether it travelled
+    to ranks whose copies were older or missing; ``extra``: what the checkpoint held beyond ``state``;
+    ``seconds``: this rank's time per phase (``read`` its own copy, ``agree`` the all-gather, ``transfer``,
+    ``load``); ``bytes``: the size of what travelled of the newest copy (0: nothing did); ``kept``: the keys
+    of ``state`` that this rank took from its own older copy, or left as they were with none (``own_step``:
+    that copy's step, -1 for none), instead of receiving them.
+    """
 
     step: int
     source: int
     broadcast: bool
     extra: dict[str, Any]
+    seconds: dict[str, float]
+    bytes: int
+    kept: tuple[str, ...]
+    own_step: int
+
+
+#: Bytes per message of a transfer: a message stays short at the slowest link (1 MiB: 8 s at 1 Mbit/s).
+CHUNK_BYTES = 1 << 20
+#: Seconds between two calls of ``progress`` during a transfer.
+PROGRESS_EVERY_S = 5.0
 
 
 def resume_latest(
@@ -69,18 +89,28 @@ def resume_latest(
     *,
     validate: Callable[[dict[str, Any]], None] | None = None,
     step_key: str = "step",
+    progress: Callable[[int, int, float], None] | None = None,
 ) -> Resumed | None:
     """Load the newest complete checkpoint that any rank can read at ``path`` into ``state``, on every rank.
 
     Each rank reads and verifies its own copy (see :func:`~fabric_multimodel.checkpoints.read_checkpoint`;
     a damaged or half-written file counts as none); ranks may pass different paths (each replica's
-    own, :func:`~fabric_multimodel.checkpoints.replica_path`). One small allreduce agrees on the newest
-    (by ``state[step_key]``); when some ranks' copies are older or missing, the lowest rank holding
-    the newest broadcasts its copy to them (one ``broadcast_object_list``), and ranks whose own copy is
-    the newest keep theirs. Then every rank loads it into ``state`` as
+    own, :func:`~fabric_multimodel.checkpoints.replica_path`). One small all-gather agrees on the newest
+    (by ``state[step_key]``) and tells every rank's node. Ranks whose copy is the newest keep theirs. The
+    others receive what they lack, once per node across the link: the lowest rank holding the newest
+    sends it to one rank of each node that lacks it (point to point, in ``CHUNK_BYTES`` messages), which
+    passes it on inside its node.
+
+    What they lack: with an anchored :class:`~fabric_multimodel.Averager` in ``state`` (DiLoCo,
+    ``comm_dtype``), only the Averager's state (the anchors, which are the global model, and the outer
+    optimizer) and the plain values. Each inner optimizer keeps its own older copy's state (or its
+    state as it is, with no copy), and, past warm-up once every fragment has an anchor, the modules
+    start from the anchors. Otherwise the whole checkpoint travels. ``progress(bytes_done, bytes_total,
+    seconds)`` is called on sending and receiving ranks every ``PROGRESS_EVERY_S`` seconds of a transfer
+    and at its end. Then every rank loads into ``state`` as
     :func:`~fabric_multimodel.checkpoints.load_checkpoint` does (``validate`` first). Returns None,
-    changing nothing, when no rank has a checkpoint: a fresh start. Call it on every rank, before
-    the first collective of training.
+    changing nothing, when no rank has a checkpoint: a fresh start. Call it on every rank, before the
+    first collective of training.
 
     Example::
 
@@ -88,28 +118,143 @@ def resume_latest(
         start = state["step"] if resumed else 0
     """
     path = Path(path)
+    clock = _Phases()
     try:
         mine: dict[str, Any] | None = read_checkpoint(path, expected=[step_key]) if path.is_file() else None
     except CheckpointError:
         mine = None  # a file that is not whole was never a checkpoint to resume from
-    step = int(mine[step_key]) if mine is not None else -1
+    own_step = int(mine[step_key]) if mine is not None else -1
+    clock.mark("read")
     world, rank = group_size(), group_rank()
-    newest, oldest, source = step, step, rank
+    steps, nodes = [own_step], [0]
     if world > 1:
         device = getattr(fabric, "device", torch.device("cpu"))
-        # MAX of (step, -step, who): the newest step, the oldest, and the lowest rank holding the newest.
-        values = torch.tensor([step, -step, (step + 1) * world + (world - 1 - rank)], dtype=torch.int64, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        newest, oldest, who = int(values[0]), -int(values[1]), int(values[2])
-        source = world - 1 - who % world
+        mine_row = torch.tensor([own_step, int(getattr(fabric, "node_rank", 0))], dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine_row) for _ in range(world)]
+        dist.all_gather(rows, mine_row)
+        steps, nodes = ([int(row[i]) for row in rows] for i in (0, 1))
+    clock.mark("agree")
+    newest = max(steps)
     if newest < 0:
         return None
-    broadcast = oldest != newest
-    if broadcast:
-        box = [mine if rank == source else None]
-        dist.broadcast_object_list(box, src=source)
-        if step != newest:  # a rank whose own copy is the newest keeps it (each replica may have its own)
-            mine = box[0]
+    source = steps.index(newest)
+    plan = _plan(steps, nodes, newest)
+    kept: tuple[str, ...] = ()
+    size = 0
+    if plan:
+        payload = None
+        if own_step == newest and any(sender == rank for sender, _ in plan):
+            assert mine is not None
+            payload = _serialize({k: v for k, v in mine.items() if k not in _kept(state, mine)})
+        data, size = _transfer(plan, rank, payload, getattr(fabric, "device", torch.device("cpu")), progress)
+        clock.mark("transfer")
+        if own_step != newest:
+            assert data is not None
+            received = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            kept = tuple(key for key in state if key not in received)
+            own = {k: mine[k] for k in kept if k in mine} if mine is not None else {}
+            mine = {**own, **received}
     assert mine is not None
-    extra = load_state(path, mine, state, validate=validate)
-    return Resumed(newest, source, broadcast, extra)
+    loaded = {key: value for key, value in state.items() if key in mine}
+    extra = load_state(path, mine, loaded, validate=validate)
+    state.update(loaded)  # the plain values
+    if any(isinstance(state[key], nn.Module) for key in kept):
+        for averager in _anchored_averagers(state):
+            averager.restore_global()  # the modules kept their older values: start them from the global model
+    clock.mark("load")
+    return Resumed(newest, source, bool(plan), extra, clock.seconds, size, kept, own_step)
+
+
+def _kept(state: dict[str, Any], checkpoint: dict[str, Any]) -> set[str]:
+    """Keys that a rank lacking the newest copy need not receive (see :func:`resume_latest`)."""
+    averagers = {key for key, value in state.items() if isinstance(value, Averager) and value.anchored}
+    if not averagers:
+        return set()
+    kept = {key for key, value in state.items() if hasattr(value, "param_groups")}  # inner optimizers
+    if all(_holds_global_model(state[key], checkpoint[key]) for key in averagers):
+        kept |= {key for key, value in state.items() if isinstance(value, nn.Module)}
+    return kept
+
+
+def _anchored_averagers(state: dict[str, Any]) -> list[Averager]:
+    return [value for value in state.values() if isinstance(value, Averager) and value.anchored]
+
+
+def _holds_global_model(averager: Averager, saved: Any) -> bool:
+    """Whether an Averager's saved state anchors every fragment: past warm-up, none still to have its first round."""
+    return (
+        isinstance(saved, dict) and saved.get("steps", -1) >= averager.warmup_steps and not saved.get("fresh_fragments")
+    )
+
+
+def _plan(steps: list[int], nodes: list[int], newest: int) -> list[tuple[int, int]]:
+    """Who sends the newest copy to whom, in order, (sender, receiver): across the link once per node that
+    lacks it (from the lowest rank holding it, to the node's lowest rank lacking it, unless a rank of the
+    same node holds it), then inside each node."""
+    holders = [r for r, s in enumerate(steps) if s == newest]
+    across, inside = [], []
+    for node in sorted(set(nodes)):
+        ranks = [r for r, n in enumerate(nodes) if n == node]
+        lacking = [r for r in ranks if steps[r] != newest]
+        if not lacking:
+            continue
+        local = [r for r in ranks if steps[r] == newest]
+        entry = local[0] if local else lacking[0]
+        if not local:
+            across.append((holders[0], entry))
+        inside += [(entry, r) for r in lacking if r != entry]
+    return across + inside
+
+
+def _transfer(
+    plan: list[tuple[int, int]],
+    rank: int,
+    payload: bytes | None,
+    device: torch.device,
+    progress: Callable[[int, int, float], None] | None,
+) -> tuple[bytes | None, int]:
+    """Carry out this rank's part of ``plan``; returns the bytes it holds at the end (None when it took no part)
+    and their size (0 when it took no part)."""
+    data = payload
+    for sender, receiver in plan:
+        if rank == receiver:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(size, src=sender)
+            buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
+            _chunks(buffer, dist.recv, sender, progress)
+            data = buffer.cpu().numpy().tobytes()
+        elif rank == sender:
+            assert data is not None
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+            dist.send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), dst=receiver)
+            _chunks(buffer, dist.send, receiver, progress)
+    return data, len(data) if data is not None and any(rank in pair for pair in plan) else 0
+
+
+def _chunks(
+    buffer: torch.Tensor,
+    move: Callable[[torch.Tensor, int], Any],
+    peer: int,
+    progress: Callable[[int, int, float], None] | None,
+) -> None:
+    """``move`` (``dist.send`` or ``dist.recv``) ``buffer`` to or from ``peer`` in messages of ``CHUNK_BYTES``."""
+    start = reported = time.perf_counter()
+    total = buffer.numel()
+    for offset in range(0, total, CHUNK_BYTES):
+        move(buffer[offset : offset + CHUNK_BYTES], peer)
+        now = time.perf_counter()
+        if progress is not None and (now - reported >= PROGRESS_EVERY_S or offset + CHUNK_BYTES >= total):
+            progress(min(offset + CHUNK_BYTES, total), total, now - start)
+            reported = now
+
+
+class _Phases:
+    """Seconds between successive marks, by the name of the phase that just ended."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self._last = now - self._last, now

@@ -125,10 +125,10 @@ def newest_checkpoint_reaches_every_rank(fabric, folder):
 
 
 def test_resume_latest_brings_the_newest_checkpoint_to_every_rank(worlds, tmp_path):
-    for (step, source, broadcast, _), loaded, weights, fresh, writes in worlds(2).run(
-        newest_checkpoint_reaches_every_rank, str(tmp_path)
-    ):
-        assert (step, source, broadcast) == (12, 1, True)
+    for resumed, loaded, weights, fresh, writes in worlds(2).run(newest_checkpoint_reaches_every_rank, str(tmp_path)):
+        assert (resumed.step, resumed.source, resumed.broadcast) == (12, 1, True)
+        assert list(resumed.seconds) == ["read", "agree", "transfer", "load"]
+        assert resumed.kept == () and resumed.bytes > 0  # no Averager: the whole newest copy travels
         assert loaded == 12 and weights == [1.0, 1.0, 1.0]
         assert fresh is None and writes == 1
 

@@ -31,6 +31,7 @@ from fabric_multimodel.sites import (
     FAILURE_GRACE_S,
     STOP_GRACE_S,
     Drop,
+    Join,
     Sites,
     SitesResult,
     format_rate,
@@ -215,6 +216,10 @@ def test_sites_removes_what_it_made_when_making_it_fails():
         (["--drop-site", "1", "--at", "5", "--back", "5"], "--back must be later than --at (5.0), got 5.0"),
         (["--drop-site", "1"], "--drop-site needs --at SECONDS"),
         (["--at", "3"], "--at and --back need --drop-site"),
+        (["--join-site", "1"], "--join-site and --join-at go together"),
+        (["--join-site", "1", "--join-at", "5"], "--join-site needs --launcher torchrun"),
+        (["--join-site", "2", "--join-at", "5"], "--join-site must be a site in 1..1, got 2"),
+        (["--launcher", "torchrun", "--join-site", "1", "--join-at", "0"], "--join-at must be > 0 seconds, got 0"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(flags, message, capsys, tmp_path):
@@ -505,6 +510,28 @@ def elastic(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFacto
     until = time.time() + at + 4
     out = tmp_path_factory.mktemp("elastic") / "run"
     return run_task(out, "--until", str(until), "--world", "2", launcher="torchrun", drop=Drop(1, at, back))
+
+
+@pytest.fixture(scope="module")
+def joined(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
+    """torchrun agents on 2 sites; site 1 starts only once site 0's world of 1 runs: a new site joining."""
+    formed = formed_after(runs["unlimited"])
+    at = round(max(6.0, 0.75 * formed + 3))  # site 0 alone forms a world of 1 after its start and the last call
+    until = time.time() + at + 4
+    out = tmp_path_factory.mktemp("joined") / "run"
+    return run_task(out, "--until", str(until), "--world", "2", launcher="torchrun", join=Join(1, at))
+
+
+def test_torchrun_a_site_that_joins_late_grows_the_world(joined):
+    """Site 0's agent starts a world of 1, then restarts its worker into a world of 2 when site 1's agent arrives;
+    site 1 starts once, in the world of 2."""
+    assert joined.code == 0 and joined.codes == (0, 0), report(joined)
+    zero, one = (starts(out) for out, _ in joined.logs)
+    assert [s["world"] for s in zero] == [1, 2] and [s["world"] for s in one] == [2], report(joined)
+    alone, grown = (s["time"] - joined.started for s in zero)
+    assert joined.joined_at is not None and alone < joined.joined_at < grown, report(joined)
+    assert "site 1 joined at" in (joined.out / "sites.log").read_text()
+    assert leftovers(joined.run_id) == []
 
 
 def test_torchrun_agents_rendezvous_across_the_sites_and_train(elastic):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fabric_multimodel.sites.network import RATE_FORMS, SitesError, parse_rate
-from fabric_multimodel.sites.run import Drop, SitesResult, Terminated, run_sites
+from fabric_multimodel.sites.run import Drop, Join, SitesResult, Terminated, run_sites
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +44,8 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--drop-site", type=int, help="kill this site (1..S-1) --at seconds after the scripts started")
     p.add_argument("--at", type=float, help="when to drop the site, in seconds")
     p.add_argument("--back", type=float, help="when to start the dropped site again, in seconds")
+    p.add_argument("--join-site", type=int, help="start this site (1..S-1) --join-at seconds after the others")
+    p.add_argument("--join-at", type=float, help="when the late site starts, in seconds (torchrun)")
     p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")
     argv = list(argv)
@@ -56,6 +58,8 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--at and --back need --drop-site")
     if args.drop_site is not None and args.at is None:
         p.error("--drop-site needs --at SECONDS")
+    if (args.join_site is None) != (args.join_at is None):
+        p.error("--join-site and --join-at go together: --join-site SITE --join-at SECONDS")
     return args
 
 
@@ -64,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     130: Ctrl-C, 143: SIGTERM)."""
     args = parse_arguments(sys.argv[1:] if argv is None else argv)
     drop = Drop(args.drop_site, args.at, args.back) if args.drop_site is not None else None
+    join = Join(args.join_site, args.join_at) if args.join_site is not None else None
     try:
         result = run_sites(
             args.script,
@@ -74,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out=args.out,
             launcher=args.launcher,
             drop=drop,
+            join=join,
             timeout=args.timeout,
             port=args.port,
             max_restarts=args.max_restarts,

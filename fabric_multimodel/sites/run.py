@@ -95,6 +95,26 @@ class Drop:
 
 
 @dataclass(frozen=True)
+class Join:
+    """Start site ``site`` only ``at`` seconds after the others: a new site joining a run under way (torchrun's
+    elastic agents, whose worlds grow when it arrives)."""
+
+    site: int
+    at: float
+
+    def check(self, sites: int, launcher: str, drop: Drop | None) -> None:
+        """Raise ``SitesError`` unless this join fits a run of ``sites`` sites started by ``launcher``."""
+        if not 1 <= self.site <= sites - 1:
+            raise SitesError(f"--join-site must be a site in 1..{max(sites - 1, 1)}, got {self.site}")
+        if not self.at > 0:
+            raise SitesError(f"--join-at must be > 0 seconds, got {self.at}")
+        if launcher != "torchrun":
+            raise SitesError("--join-site needs --launcher torchrun: a static `fabric run` world cannot grow")
+        if drop is not None and drop.site == self.site:
+            raise SitesError(f"--join-site {self.site} is the --drop-site too; join and drop different sites")
+
+
+@dataclass(frozen=True)
 class SitesResult:
     """What a run did.
 
@@ -104,8 +124,8 @@ class SitesResult:
     dropped site and the sites the tool stopped do not count; a site back after a drop counts with its last
     code), 124 after the timeout. ``started``: when the scripts started (``time.time()``); ``wall_s``, ``ended``
     (when each site's launcher was seen to exit, the last time it ran), ``dropped_at`` and ``back_at`` (when
-    ``drop`` happened) count from then. ``stopped``: the sites the tool
-    ended after another one failed, or at the timeout.
+    ``drop`` happened) and ``joined_at`` (when ``join``'s site started) count from then. ``stopped``: the sites
+    the tool ended after another one failed, or at the timeout.
     """
 
     run_id: str
@@ -122,6 +142,7 @@ class SitesResult:
     back_at: float | None = None
     stopped: tuple[int, ...] = ()
     timed_out: bool = False
+    joined_at: float | None = None
 
 
 def run_sites(
@@ -134,6 +155,7 @@ def run_sites(
     out: str | Path | None = None,
     launcher: str = "fabric",
     drop: Drop | None = None,
+    join: Join | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     stream: bool = True,
@@ -165,6 +187,8 @@ def run_sites(
             raise SitesError(f"--launcher must be fabric or torchrun, got {launcher!r}")
         if drop is not None:
             drop.check(sites)
+        if join is not None:
+            join.check(sites, launcher, drop)
         problem = preconditions(script, sites, devices)
         if problem:
             raise SitesError(problem)
@@ -184,7 +208,7 @@ def run_sites(
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
             run = _Run(net, launchers)
             try:
-                run.watch(drop, timeout, say)
+                run.watch(drop, join, timeout, say)
             finally:
                 with _signals_held():
                     run.end()
@@ -209,17 +233,20 @@ class _Run:
         self.start, self.started = time.monotonic(), time.time()
         self.dropped_at: float | None = None
         self.back_at: float | None = None
+        self.joined_at: float | None = None
         self.timed_out = False
         self.wall_s = 0.0
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def watch(self, drop: Drop | None, timeout: float | None, say: Callable[[str], None]) -> None:
-        """Start every site and watch them until all have ended, dropping and restarting as ``drop`` says."""
+    def watch(self, drop: Drop | None, join: Join | None, timeout: float | None, say: Callable[[str], None]) -> None:
+        """Start every site (``join``'s later) and watch them until all have ended, dropping and restarting as
+        ``drop`` says."""
         self.start, self.started = time.monotonic(), time.time()
         for site in self.sites:
-            site.start()
+            if join is None or site.index != join.site:
+                site.start()
         failed_at: float | None = None
         while True:
             now = self.elapsed()
@@ -230,6 +257,10 @@ class _Run:
                 break
             if drop is not None and failed_at is None:
                 self._drop(drop, now, say)
+            if join is not None and self.joined_at is None and now >= join.at and failed_at is None:
+                self.joined_at = now
+                self.sites[join.site].start()
+                say(f"sites: site {join.site} joined at {now:.1f} s")
             for site in self.sites:
                 if site.poll() and site.failed() and failed_at is None:
                     failed_at = now
@@ -294,6 +325,7 @@ class _Run:
             back_at=self.back_at,
             stopped=tuple(s.index for s in self.sites if s.stopped),
             timed_out=self.timed_out,
+            joined_at=self.joined_at,
         )
 
 
