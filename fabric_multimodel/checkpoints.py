@@ -66,6 +66,7 @@ def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str,
     if not _builds_plain_modules(fabric):
         fabric.save(path, dict(state))
         return path
+    _refuse_shards(path, state)  # on every rank, before the barrier
     if fabric.is_global_zero:
         _write_atomically(path, _serialize(state))
     fabric.barrier()
@@ -128,6 +129,7 @@ class CheckpointWriter:
 
     def save(self, state: Mapping[str, Any]) -> None:
         """Serialize ``state`` now and write it in the background (nothing when disabled)."""
+        _refuse_shards(self.path, state)  # on every rank, enabled or not: the same verdict everywhere
         if not self.enabled:
             return
         start = time.perf_counter()
@@ -157,6 +159,20 @@ class CheckpointWriter:
         except BaseException as error:  # reported on the training thread, at the next save or close
             self._error = error
         self.seconds.append((copied, time.perf_counter() - start))
+
+
+def _refuse_shards(path: Path, state: Mapping[str, Any]) -> None:
+    """A file of one rank's tensors would keep one shard of an FSDP2 model: a :class:`CheckpointError` instead."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state.items():
+        if isinstance(value, nn.Module) and any(isinstance(p, DTensor) for p in value.parameters()):
+            raise CheckpointError(
+                f"{path}: `{key}` holds FSDP2 shards (DTensor parameters), and this checkpoint is one rank's file:"
+                " it would keep one shard of the model. Save sharded models with torch.distributed.checkpoint"
+                " (dcp.save({'model': get_model_state_dict(model)}, checkpoint_id=folder)); the Averager's state is"
+                " not sharded-aware yet"
+            )
 
 
 def _serialize(state: Mapping[str, Any]) -> bytes:

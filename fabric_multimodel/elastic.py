@@ -155,7 +155,8 @@ def resume_latest(
             own = {k: mine[k] for k in kept if k in mine} if mine is not None else {}
             mine = {**own, **received}
     assert mine is not None
-    loaded = {key: value for key, value in state.items() if key in mine}
+    # A key this rank kept, with no copy of its own, stays as it is; any other key the file lacks is an error.
+    loaded = {key: value for key, value in state.items() if key in mine or key not in kept}
     extra = load_state(path, mine, loaded, validate=validate)
     state.update(loaded)  # the plain values
     if any(isinstance(state[key], nn.Module) for key in kept):

@@ -4,6 +4,8 @@ sites, for every kind of round, and the run equals the same run with DDP inside 
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,9 +15,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fabric_multimodel import Averager, frozen, replicas_in_sync, setup_models
+from fabric_multimodel.checkpoints import CheckpointWriter, save_checkpoint
 from tests.gan import collectives, mlp
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+NEVER_WRITTEN = Path(tempfile.gettempdir()) / "fabric-multimodel-never-written.pt"
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp4": torch.float4_e2m1fn_x2}
 
 
@@ -132,6 +136,9 @@ def sharded_mistakes(fabric):
         "averaged inside the site": lambda: Averager(fabric, model, period=4, process_group=site),
         "ddp_kwargs": lambda: setup_models(fabric, ddp_kwargs={"m": {}}, shard=site, m=mlp([3, 4, 2])),
         "not a group": lambda: setup_models(fabric, shard="node", m=mlp([3, 4, 2])),
+        # One rank's file would keep one shard: refused on every rank (the writer's too), before save's barrier.
+        "writer": lambda: CheckpointWriter(NEVER_WRITTEN, enabled=fabric.global_rank == 0).save({"m": model}),
+        "save_checkpoint": lambda: save_checkpoint(fabric, NEVER_WRITTEN, {"m": model, "step": 1}),
     }
     found = {}
     for name, attempt in attempts.items():
@@ -150,6 +157,8 @@ def test_a_mistake_with_sharded_models_is_one_clear_error_on_every_rank(worlds):
         "averaged inside the site": "ValueError: Averager: a sharded module's shards live on ranks",
         "ddp_kwargs": "ValueError: setup_models: `shard` wraps the models in FSDP2",
         "not a group": "TypeError: setup_models: `shard` must be a process group",
+        "writer": f"CheckpointError: {NEVER_WRITTEN}: `m` holds FSDP2 shards",
+        "save_checkpoint": f"CheckpointError: {NEVER_WRITTEN}: `m` holds FSDP2 shards",
     }
     for found in worlds(4).run(sharded_mistakes):
         for name, start in expected.items():
