@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         else f"site 1 killed at {at:.0f} s" + (f", back at {back:.0f} s" if back else "")
     )
     print(
-        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, 2 sites x {args.devices} processes behind"
+        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, {3 if args.join_at else 2} sites x"
+        f" {args.devices} processes behind"
         f" {args.bandwidth}; {event}.\n"
     )
 

@@ -9,6 +9,8 @@ then, as the flags say:
 - ``--until EPOCH``: allreduces a small tensor every 50 ms until then (rank 0 decides, so that every rank
   stops after the same round, and always after a few rounds). ``--world W``: a smaller world keeps going
   until torch elastic restarts it into a larger one, as a job that waits for its lost site would.
+- ``--spin S``: after a barrier, every rank counts the turns of a busy loop for S seconds and prints
+  ``spin: node=N rate=<turns per second>`` (how fast its site's CPU lets it run).
 - ``--fail-node R --code C``: the ranks of node R exit with C once connected; the others sleep, so that
   only the tool can end them.
 
@@ -56,6 +58,13 @@ def timed_allreduces(nbytes: int, reps: int) -> float:
     return time.perf_counter() - start
 
 
+def spin(seconds: float) -> float:
+    turns, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        turns += 1
+    return turns / elapsed
+
+
 def loop(until: float, world: int) -> int:
     rounds = 0
     while True:
@@ -74,6 +83,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=0)
     p.add_argument("--until", type=float, default=0.0)
     p.add_argument("--world", type=int, default=1)
+    p.add_argument("--spin", type=float, default=0.0)
     p.add_argument("--fail-node", type=int)
     p.add_argument("--code", type=int, default=3)
     args = p.parse_args()
@@ -87,6 +97,9 @@ def main() -> None:
         if node == args.fail_node:
             os._exit(args.code)  # at once: no gloo teardown that could turn the code into an abort
         time.sleep(600)
+    if args.spin:
+        dist.barrier()
+        say(f"spin: node={node} rate={spin(args.spin):.0f}")
     if args.reps:
         seconds = timed_allreduces(args.bytes, args.reps)
         if rank == 0:

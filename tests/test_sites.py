@@ -45,6 +45,7 @@ from fabric_multimodel.sites import (
     socket_in,
     tbf_settings,
 )
+from fabric_multimodel.sites.cpu import CPU_CONTROLLER
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = str(ROOT / "tests" / "sites_task.py")
@@ -217,6 +218,9 @@ def test_sites_removes_what_it_made_when_making_it_fails():
         (["--drop-site", "1"], "--drop-site needs --at SECONDS"),
         (["--at", "3"], "--at and --back need --drop-site"),
         (["--join-site", "1"], "--join-site and --join-at go together"),
+        (["--cpu", "2:0.5"], "--cpu 2:0.5: the site must be in 0..1"),
+        (["--cpu", "1:1.5"], "--cpu 1:1.5: the share must be in 0.01..1 (of one core per process)"),
+        (["--cpu", "half"], "argument --cpu: 'half' is not SITE:SHARE, as in 1:0.5"),
         (["--join-site", "1", "--join-at", "5"], "--join-site needs --launcher torchrun"),
         (["--join-site", "2", "--join-at", "5"], "--join-site must be a site in 1..1, got 2"),
         (["--launcher", "torchrun", "--join-site", "1", "--join-at", "0"], "--join-at must be > 0 seconds, got 0"),
@@ -292,7 +296,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | di
     2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): a run whose
        site 1 exits 3, two runs of the tool as a process, sent SIGTERM and SIGINT, the allreduces between
        2 processes of one site behind 1 mbit, and a run that times out after 3 s.
-    3. Alone: the 2 allreduces at 20 mbit; then the task loops until site 1 is dropped, well after that.
+    3. Alone: the 2 allreduces at 20 mbit; then the task loops until site 1 is dropped, well after that. Then
+       a busy loop on both sites, site 1 at half a core.
     """
     allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
     results: dict[str, SitesResult | dict] = {"unlimited": run_task(base / "unlimited", *allreduces)}
@@ -309,12 +314,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | di
         results.update({name: future.result() for name, future in futures.items()})
     at = round(1.5 * formed_after(results["unlimited"]) + 6)  # the allreduces take 1.7 s on the link
     results["limited"] = run_task(base / "limited", *allreduces, *forever, bandwidth="20mbit", drop=Drop(1, at))
+    results["slower"] = run_task(base / "slower", "--spin", "1.5", launcher="torchrun", cpu={1: 0.5})
     return results
 
 
 def allreduce_seconds(result: SitesResult) -> float:
     (line,) = [line for line in result.logs[0][0].read_text().splitlines() if line.startswith("allreduce:")]
     return float(line.rsplit("seconds=", 1)[1])
+
+
+def test_a_site_at_half_a_core_runs_at_about_half_the_speed_and_its_cgroup_is_removed(runs):
+    slower = runs["slower"]
+    assert slower.code == 0, report(slower)
+    rates = [float(re.search(r"spin: node=\d+ rate=(\d+)", out.read_text()).group(1)) for out, _ in slower.logs]
+    assert 0.3 < rates[1] / rates[0] < 0.7, rates  # one core each on the 2 cores, half a core for site 1
+    assert "site 1 at 50% of a core per process" in (slower.out / "sites.log").read_text()
+    assert not [p for p in CPU_CONTROLLER.iterdir() if p.name.startswith(f"fmm{slower.run_id}")]
 
 
 def test_a_run_across_two_sites_ends_0_and_keeps_every_sites_logs(runs):

@@ -23,9 +23,10 @@ The tool in its rooms, each needing only the standard library:
 
 - :mod:`~fabric_multimodel.sites.network`: the namespaces, the bridge, the ``tbf`` limits, the rates, a link's
   measurement;
+- :mod:`~fabric_multimodel.sites.cpu`: slower sites, a cgroup CPU quota per site;
 - :mod:`~fabric_multimodel.sites.processes`: each site's launcher, its command and environment, its exit code;
 - :mod:`~fabric_multimodel.sites.run`: one run from the first namespace to the last cleanup (failures, drops,
-  the timeout, signals);
+  a site that joins late, the timeout, signals);
 - :mod:`~fabric_multimodel.sites.cli`: the command line.
 """
 

@@ -46,6 +46,14 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--back", type=float, help="when to start the dropped site again, in seconds")
     p.add_argument("--join-site", type=int, help="start this site (1..S-1) --join-at seconds after the others")
     p.add_argument("--join-at", type=float, help="when the late site starts, in seconds (torchrun)")
+    p.add_argument(
+        "--cpu",
+        type=_cpu_share,
+        action="append",
+        default=[],
+        metavar="SITE:SHARE",
+        help="run SITE's processes with SHARE (0.01..1) of one core each, a slower site (repeatable)",
+    )
     p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")
     argv = list(argv)
@@ -61,6 +69,16 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     if (args.join_site is None) != (args.join_at is None):
         p.error("--join-site and --join-at go together: --join-site SITE --join-at SECONDS")
     return args
+
+
+def _cpu_share(text: str) -> tuple[int, float]:
+    site, colon, share = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        return int(site), float(share)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SITE:SHARE, as in 1:0.5") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             launcher=args.launcher,
             drop=drop,
             join=join,
+            cpu=dict(args.cpu),
             timeout=args.timeout,
             port=args.port,
             max_restarts=args.max_restarts,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fabric_multimodel.sites.cpu import SiteCpu, check_share, cpu_controller_problem
 from fabric_multimodel.sites.network import (
     Sites,
     SitesError,
@@ -156,6 +157,7 @@ def run_sites(
     launcher: str = "fabric",
     drop: Drop | None = None,
     join: Join | None = None,
+    cpu: Mapping[int, float] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     stream: bool = True,
@@ -171,7 +173,9 @@ def run_sites(
     stops the others ``FAILURE_GRACE_S`` later; after ``timeout`` seconds everything stops (code 124).
     Everything it made (namespaces, interfaces, processes) is gone when it returns or raises, also on Ctrl-C
     and on SIGTERM (raised as ``Terminated`` when it runs in the main thread). Raises ``SitesError`` for a
-    setting or precondition that stops it before anything is made.
+    setting or precondition that stops it before anything is made. ``cpu`` (``{site: share}``) runs each of those
+    sites' processes with ``share`` of one core (a cgroup quota, see :mod:`~fabric_multimodel.sites.cpu`), said in
+    the first line and removed at the end.
 
     Example::
 
@@ -189,7 +193,10 @@ def run_sites(
             drop.check(sites)
         if join is not None:
             join.check(sites, launcher, drop)
-        problem = preconditions(script, sites, devices)
+        cpu = dict(cpu or {})
+        for site, share in cpu.items():
+            check_share(site, share, sites)
+        problem = preconditions(script, sites, devices) or (cpu_controller_problem() if cpu else None)
         if problem:
             raise SitesError(problem)
         net = Sites(sites, bits)
@@ -198,13 +205,19 @@ def run_sites(
             raise SitesError(f"{folder} exists already: give --out a new folder")
         folder.mkdir(parents=True)
         say = _teller(stream, folder / "sites.log")
+        limits = {site: SiteCpu(net.namespaces[site], share, devices) for site, share in sorted(cpu.items())}
         try:
             net.create()
+            for limit in limits.values():
+                limit.create()
             measured = measure_link(net) if sites > 1 else None
-            say(_link_line(net, devices, measured))
+            say(_link_line(net, devices, measured, limits))
             environment = site_environment(net.run_id, launcher, env)
             options: dict[str, Any] = {"sites": net, "devices": devices, "port": port, "max_restarts": max_restarts}
-            commands = [site_command(launcher, script, args, site=r, **options) for r in range(sites)]
+            commands = [
+                [*(limits[r].prefix() if r in limits else []), *site_command(launcher, script, args, site=r, **options)]
+                for r in range(sites)
+            ]
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
             run = _Run(net, launchers)
             try:
@@ -215,14 +228,18 @@ def run_sites(
         finally:
             with _signals_held():
                 net.close()
+                for limit in limits.values():
+                    limit.remove()
         return run.result(measured, folder, drop)
 
 
-def _link_line(net: Sites, devices: int, measured: float | None) -> str:
+def _link_line(net: Sites, devices: int, measured: float | None, limits: Mapping[int, SiteCpu]) -> str:
     head = f"sites: run {net.run_id}: {net.count} x {devices} processes, link {format_rate(net.bits)} each way"
+    slower = "".join(f"; site {site} at {limit}" for site, limit in limits.items())
     if measured is None:
-        return f"{head}; one site: no link to measure"
-    return f"{head}, measured {measured:.1f} Mbit/s" if measured < 100 else f"{head}, measured {measured:.0f} Mbit/s"
+        return f"{head}; one site: no link to measure{slower}"
+    rate = f"{measured:.1f}" if measured < 100 else f"{measured:.0f}"
+    return f"{head}, measured {rate} Mbit/s{slower}"
 
 
 class _Run:
