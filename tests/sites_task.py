@@ -9,8 +9,8 @@ then, as the flags say:
 - ``--until EPOCH``: allreduces a small tensor every 50 ms until then (rank 0 decides, so that every rank
   stops after the same round, and always after a few rounds). ``--world W``: a smaller world keeps going
   until torch elastic restarts it into a larger one, as a job that waits for its lost site would.
-- ``--spin S``: after a barrier, every rank counts the turns of a busy loop for S seconds and prints
-  ``spin: node=N rate=<turns per second>`` (how fast its site's CPU lets it run).
+- ``--spin S``: after a barrier, every rank runs a busy loop for S seconds and prints
+  ``spin: node=N share=<CPU seconds it got per second>`` (how much of a core its site lets it use).
 - ``--fail-node R --code C``: the ranks of node R exit with C once connected; the others sleep, so that
   only the tool can end them.
 
@@ -59,10 +59,11 @@ def timed_allreduces(nbytes: int, reps: int) -> float:
 
 
 def spin(seconds: float) -> float:
-    turns, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        turns += 1
-    return turns / elapsed
+    """The share of one core a busy loop got: its CPU time over the wall-clock time."""
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        pass
+    return (time.process_time() - cpu) / (time.perf_counter() - start)
 
 
 def loop(until: float, world: int) -> int:
@@ -99,7 +100,7 @@ def main() -> None:
         time.sleep(600)
     if args.spin:
         dist.barrier()
-        say(f"spin: node={node} rate={spin(args.spin):.0f}")
+        say(f"spin: node={node} share={spin(args.spin):.3f}")
     if args.reps:
         seconds = timed_allreduces(args.bytes, args.reps)
         if rank == 0:

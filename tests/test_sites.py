@@ -314,7 +314,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | di
         results.update({name: future.result() for name, future in futures.items()})
     at = round(1.5 * formed_after(results["unlimited"]) + 6)  # the allreduces take 1.7 s on the link
     results["limited"] = run_task(base / "limited", *allreduces, *forever, bandwidth="20mbit", drop=Drop(1, at))
-    results["slower"] = run_task(base / "slower", "--spin", "1.5", launcher="torchrun", cpu={1: 0.5})
     return results
 
 
@@ -323,11 +322,13 @@ def allreduce_seconds(result: SitesResult) -> float:
     return float(line.rsplit("seconds=", 1)[1])
 
 
-def test_a_site_at_half_a_core_runs_at_about_half_the_speed_and_its_cgroup_is_removed(runs):
-    slower = runs["slower"]
+def test_a_site_at_half_a_core_gets_at_most_half_a_core_and_its_cgroup_is_removed(joined):
+    """The quota is the promise: site 1's busy loop gets at most half a core of CPU time, however busy the machine
+    (other load can only lower it); unlimited, one process on 2 cores gets nearly a whole one."""
+    slower = joined
     assert slower.code == 0, report(slower)
-    rates = [float(re.search(r"spin: node=\d+ rate=(\d+)", out.read_text()).group(1)) for out, _ in slower.logs]
-    assert 0.3 < rates[1] / rates[0] < 0.7, rates  # one core each on the 2 cores, half a core for site 1
+    shares = [float(re.findall(r"spin: node=\d+ share=([\d.]+)", out.read_text())[-1]) for out, _ in slower.logs]
+    assert shares[1] <= 0.56, shares  # 50 ms of each 100 ms period, and the clocks' granularity
     assert "site 1 at 50% of a core per process" in (slower.out / "sites.log").read_text()
     assert not [p for p in CPU_CONTROLLER.iterdir() if p.name.startswith(f"fmm{slower.run_id}")]
 
@@ -529,12 +530,14 @@ def elastic(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture(scope="module")
 def joined(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
-    """torchrun agents on 2 sites; site 1 starts only once site 0's world of 1 runs: a new site joining."""
+    """torchrun agents on 2 sites; site 1 starts only once site 0's world of 1 runs: a new site joining, and a
+    slower one (half a core), its busy loop timed in the world of 2."""
     formed = formed_after(runs["unlimited"])
     at = round(max(6.0, 0.75 * formed + 3))  # site 0 alone forms a world of 1 after its start and the last call
     until = time.time() + at + 4
     out = tmp_path_factory.mktemp("joined") / "run"
-    return run_task(out, "--until", str(until), "--world", "2", launcher="torchrun", join=Join(1, at))
+    flags = ["--until", str(until), "--world", "2", "--spin", "1.5"]
+    return run_task(out, *flags, launcher="torchrun", join=Join(1, at), cpu={1: 0.5})
 
 
 def test_torchrun_a_site_that_joins_late_grows_the_world(joined):
