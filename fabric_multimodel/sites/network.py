@@ -261,7 +261,8 @@ def socket_in(namespace: str) -> socket.socket:
 
 
 def measure_link(sites: Sites, source: int = 0, destination: int = 1, seconds: float = 0.5) -> float:
-    """Mbit/s of TCP payload from site ``source`` to ``destination`` over ``seconds``, then fresh queues.
+    """Mbit/s of TCP payload from site ``source`` to ``destination``, the faster of two windows of ``seconds``, then
+    fresh queues.
 
     Expect about 95.7% of a limited rate: tbf counts whole frames, 66 of every 1514 bytes are headers.
     With ``source == destination`` it measures traffic inside one site (which the limits never see).
@@ -284,11 +285,13 @@ def measure_link(sites: Sites, source: int = 0, destination: int = 1, seconds: f
         sender.start()
         connection, _ = server.accept()
         with connection:
-            received, elapsed = _receive_for(connection, seconds)
+            # The faster of two windows: a busy machine that starves the sending thread for a moment lowers
+            # one window's rate (seen: 11.9 of 19.1 Mbit/s while the CI machine was loaded), never raises it.
+            windows = [_receive_for(connection, seconds) for _ in range(2)]
         sender.join(timeout=10)
     # The receiver stopped reading; what the queues still hold would delay the script's first messages.
     sites.limit()
-    return received * 8 / elapsed / 1e6
+    return max(received * 8 / elapsed / 1e6 for received, elapsed in windows)
 
 
 def _send_until_closed(client: socket.socket, address: tuple[str, int]) -> None:
