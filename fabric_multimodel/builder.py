@@ -68,11 +68,14 @@ def build_rounds(
     # so that a fragment is one range of each flat buffer. Fragments are cut by the whole parameters, so that
     # every rank of a site cuts the same; a round averages what this rank holds of each.
     placed = [i for group in groups for i in group]
-    tensors = [local_part(tensors[i]) for i in placed] + tensors[n_params:]
+    whole = [tensors[i] for i in placed] + tensors[n_params:]
+    tensors = [local_part(t) for t in whole]
     names = [names[i] for i in placed] + names[n_params:]
     largest = max(group_size(process_group), group_size(node_group) if config.node_period else 1)
     # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy, synced around each use.
-    storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest, rehome=not placement.sharded)
+    # The shards' parameters come along, so that the rounds' state (anchors) can be saved placed like them.
+    shards = whole if placement.sharded else None
+    storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest, rehome=not placement.sharded, shards=shards)
     ends = list(itertools.accumulate(len(group) for group in groups))
     ends[-1] = len(tensors)
     parts = [storage.part(range(start, end)) for start, end in zip([0, *ends], ends)] if len(groups) > 1 else None

@@ -7,8 +7,9 @@ consecutive tensors (a fragment of the model): one contiguous range of each buff
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -23,7 +24,11 @@ class FlatStorage:
 
     ``rehome=False`` leaves the tensors where they are, for storage someone else owns (FSDP2's
     local shards are views of its own flat buffer, which its all-gathers read): the buffers are then
-    a copy, brought up to date and written back around each use by :meth:`synced`.
+    a copy, brought up to date and written back around each use by :meth:`synced`. ``shards`` names,
+    per tensor, the FSDP2 parameter (a DTensor) whose local shard it is (None for a tensor that is
+    not a shard), so that state kept in the storage's layout (an anchor) can be handed out as
+    DTensors placed like the parameters (:meth:`sharded`), which ``torch.distributed.checkpoint``
+    saves and reshards.
 
     Example::
 
@@ -38,9 +43,12 @@ class FlatStorage:
         spare: int = 0,
         *,
         rehome: bool = True,
+        shards: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         #: False: the tensors keep their own storage and the buffers are a copy (see :meth:`synced`).
         self.rehome = rehome
+        #: Per tensor (in the order of ``tensors``), the DTensor whose local shard it is; None: not a sharded storage.
+        self.shards: list[torch.Tensor | None] | None = None if shards is None else []
         groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for index, t in enumerate(tensors):
             groups.setdefault((t.device, t.dtype), []).append(index)
@@ -70,6 +78,8 @@ class FlatStorage:
                         self._copies.append(view)
                     self.tensors.append(t)
                     self.names.append(names[i] if names is not None else f"tensor {i}")
+                    if self.shards is not None and shards is not None:
+                        self.shards.append(shards[i])
                     self.slots.append((len(self.buffers), offset, t.numel()))
                     self._addresses.append(t.data_ptr())
                     offset += t.numel()
@@ -128,6 +138,43 @@ class FlatStorage:
             for i, (b, offset, numel) in enumerate(self.slots)
             if not bool(torch.isfinite(buffers[b][offset : offset + numel]).all())
         ]
+
+    def shard(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (shaped like ``tensors[index]``) as a DTensor placed like the parameter whose shard that
+        tensor is; ``local`` itself for a tensor that is no shard (a buffer, replicated inside the site)."""
+        from torch.distributed.tensor import DTensor
+
+        like = self.shards[index] if self.shards is not None else None
+        if not isinstance(like, DTensor):
+            return local
+        return DTensor.from_local(
+            local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
+
+    def sharded(self, buffers: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each tensor's slice of ``buffers`` (shaped like :attr:`data`), by name, as :meth:`shard` places it:
+        views, so that ``torch.distributed.checkpoint.load`` writes straight into ``buffers``.
+
+        Example::
+
+            torch.distributed.checkpoint.save({"anchor": storage.sharded(anchor)}, checkpoint_id=folder)
+        """
+        views = self.views(buffers, range(len(self.tensors)))
+        return {name: self.shard(i, view) for i, (name, view) in enumerate(zip(self.names, views))}
+
+    def unsharded(self, saved: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """New buffers shaped like :attr:`data` holding :meth:`sharded`'s form (DTensors or their local tensors,
+        by name); a ValueError naming the first tensor that is missing or shaped otherwise."""
+        buffers = self.mirror()
+        for name, view in zip(self.names, self.views(buffers, range(len(self.tensors)))):
+            value: Any = saved.get(name)
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if not isinstance(local, torch.Tensor) or local.shape != view.shape:
+                found = "nothing" if local is None else f"shape {tuple(getattr(local, 'shape', ()))}"
+                raise ValueError(f"`{name}`: expected this rank's shard of shape {tuple(view.shape)}, found {found}.")
+            with torch.no_grad():
+                view.copy_(local)
+        return buffers
 
     def part(self, indices: Sequence[int]) -> Part:
         """The consecutive tensors ``indices`` (positions in ``tensors``) as one range of each buffer.

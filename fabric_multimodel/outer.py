@@ -87,11 +87,43 @@ class OuterRound(DeltaRound):
     state_keys = ("anchor", "outer_optimizer")
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "outer_optimizer": self.optimizer.state_dict()}
+        outer = self.optimizer.state_dict()
+        if self.storage.shards is not None:  # FSDP2 shards: the state by parameter name, placed like the parameter
+            outer["state"] = {
+                self.storage.names[self.order[k]]: {
+                    key: self.storage.shard(self.order[k], value) if self._per_element(k, value) else value
+                    for key, value in entry.items()
+                }
+                for k, entry in outer["state"].items()
+            }
+        return {**super().state_dict(), "outer_optimizer": outer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        outer = state["outer_optimizer"]
+        if self.storage.shards is not None:
+            position = {self.storage.names[index]: k for k, index in enumerate(self.order)}
+            unknown = sorted(set(outer["state"]) - set(position))
+            if unknown:
+                raise ValueError(f"the checkpoint's outer optimizer holds state of unknown tensors {unknown}.")
+            outer = {
+                **outer,
+                "state": {
+                    position[name]: {key: _local(value) for key, value in entry.items()}
+                    for name, entry in outer["state"].items()
+                },
+            }
         super().load_state_dict(state)
-        self.optimizer.load_state_dict(state["outer_optimizer"])
+        self.optimizer.load_state_dict(outer)
+
+    def _per_element(self, k: int, value: Any) -> bool:
+        """Whether ``value`` is optimizer state with one element per element of parameter ``k`` (momentum), not a
+        scalar (a step count)."""
+        return isinstance(value, torch.Tensor) and value.shape == self.params[k].shape
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard; anything else as it is."""
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def make_outer_optimizer(factory: Any, params: list[torch.Tensor]) -> Optimizer:

@@ -21,7 +21,7 @@ NaN reaches all) is an error on every rank too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -622,13 +622,21 @@ class DeltaRound(Round):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"anchor": [a.clone() for a in self.anchor], "fresh_fragments": sorted(self.fresh)}
+        anchor = [a.clone() for a in self.anchor]
+        # FSDP2 shards: per tensor, placed like its parameter, for torch.distributed.checkpoint to reshard.
+        saved = anchor if self.storage.shards is None else self.storage.sharded(anchor)
+        state: dict[str, Any] = {"anchor": saved, "fresh_fragments": sorted(self.fresh)}
         if self._error_feedback:  # this rank's own: what its quantizations dropped, per part
             state["error_feedback"] = [t.mean.state_dict()["residual"] for t in self._transports]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         anchors = state["anchor"]
+        if self.storage.shards is not None and isinstance(anchors, Mapping):
+            try:
+                anchors = self.storage.unsharded(anchors)
+            except ValueError as error:
+                raise ValueError(f"the checkpoint's anchor does not match these modules: {error}") from None
         if len(anchors) != len(self.anchor) or any(a.shape != b.shape for a, b in zip(anchors, self.anchor)):
             raise ValueError("the checkpoint's anchor does not match these modules; load it into the same models.")
         fresh = state.get("fresh_fragments", [])

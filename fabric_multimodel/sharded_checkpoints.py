@@ -1,0 +1,233 @@
+"""Checkpoints of FSDP2 models inside each site: ``torch.distributed.checkpoint`` over the site's own group.
+
+A model sharded inside a site (``setup_models(..., shard=site)``) has no rank that holds it whole, so
+:func:`~fabric_multimodel.checkpoints.save_checkpoint` refuses it. Here every process of a site writes
+its shards of the models, the optimizers and the Averager's state (anchors and outer optimizer, placed
+like the parameters) into one folder per site, the site's replica (``replica_path``). Every collective
+runs over the site's group, the group the models are sharded over: a checkpoint sends nothing across
+sites, and one site can save while the others train.
+
+Loading reshards: a folder written by ``D`` processes per site loads into ``D'``, and a site that has
+no folder of its own (a new one, or one of more sites) loads another's and starts from the anchors,
+the global model (``Averager.load_state_dict`` does that when the replica index differs).
+
+What it does not keep: the error-feedback residuals of low-bit rounds (``error_feedback=True``), which
+are laid out by the ranks that quantized them; such an Averager is refused with a
+:class:`~fabric_multimodel.checkpoints.CheckpointError` before anything is written.
+
+Example::
+
+    site = node_groups(fabric).node
+    (model,) = setup_models(fabric, model=Model(), shard=site)
+    averager = Averager(fabric, model, period=128, outer_optimizer=diloco, process_group=node_groups(fabric).peers)
+    folder = replica_path("checkpoint", averager.replica.index)     # checkpoint, checkpoint.replica1, ...
+    save_sharded(folder, {"model": model, "opt": opt, "averager": averager, "step": step})
+    ...
+    values = load_sharded(folder, {"model": model, "opt": opt, "averager": averager, "step": 0})
+    step = values["step"]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from fabric_multimodel.arguments import plain_module
+from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError
+
+#: The file torch.distributed.checkpoint writes last: a folder without it is not a complete checkpoint.
+METADATA = ".metadata"
+
+
+def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+    """Write ``state`` into the folder ``path`` with ``torch.distributed.checkpoint``, on every process of the site.
+
+    ``state`` maps names to FSDP2 modules (what ``setup_models(..., shard=...)`` returned), their optimizers,
+    an :class:`~fabric_multimodel.Averager`, other objects with ``state_dict()``, and plain values. The
+    site is the group the modules are sharded over; every collective runs over it. The folder is written
+    beside ``path`` under a temporary name and then takes its place, so an interrupted save leaves the
+    previous checkpoint whole.
+
+    Example::
+
+        save_sharded(replica_path(out / "checkpoint", averager.replica.index), {"model": model, "step": step})
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    group, rank = _site(path, state)
+    saved = _stateful(path, state)
+    temporary = path.parent / f".{path.name}{TEMPORARY_INFIX}{socket.gethostname()}"
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)  # an interrupted save's; nobody writes before the plan below
+    dcp.save(saved, checkpoint_id=temporary, process_group=group)
+    if rank == 0:
+        previous = path.parent / f".{path.name}{TEMPORARY_INFIX}previous"
+        if path.exists():
+            path.rename(previous)
+        temporary.rename(path)
+        shutil.rmtree(previous, ignore_errors=True)
+    dist.barrier(group=group)  # the folder is in place on every process's return
+    return path
+
+
+def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str, Any]:
+    """Load the folder ``path`` (written by :func:`save_sharded`, by any number of processes per site) into
+    the objects of ``state``, on every process of the site; returns the plain values by name.
+
+    ``state`` names what to load, as it was saved: modules, optimizers and an Averager are loaded in
+    place, and a plain value's entry gives its type (its value is not used). A missing or incomplete
+    folder, or one that lacks a name, is a :class:`~fabric_multimodel.checkpoints.CheckpointError`
+    naming it, raised before anything is changed.
+
+    Example::
+
+        step = load_sharded(folder, {"model": model, "opt": opt, "averager": averager, "step": 0})["step"]
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    group, _ = _site(path, state)
+    if not (path / METADATA).is_file():
+        raise CheckpointError(f"{path}: not a complete sharded checkpoint (no {METADATA}; was its save interrupted?).")
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    template = _stateful(path, state)
+    for name in template:
+        if not any(key == name or key.startswith(f"{name}.") for key in saved):
+            raise CheckpointError(f"{path}: holds no `{name}`; it holds {sorted({k.split('.')[0] for k in saved})}.")
+    for name, value in state.items():
+        if _is_averager(value):
+            _add_outer_state(template[name], saved, name)
+    dcp.load(template, checkpoint_id=path, process_group=group)
+    return _apply(state, template)
+
+
+def _site(path: Path, state: Mapping[str, Any]) -> tuple[Any, int]:
+    """The group the state's FSDP2 modules are sharded over (one for all of them), and this rank's place in it."""
+    from torch.distributed.tensor import DTensor
+
+    groups = {}
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            for parameter in value.parameters():
+                if isinstance(parameter, DTensor):
+                    group = parameter.device_mesh.get_group()
+                    groups[tuple(dist.get_process_group_ranks(group))] = (name, group)
+    if len(groups) != 1:
+        found = "none" if not groups else ", ".join(f"`{name}` over ranks {list(r)}" for r, (name, _) in groups.items())
+        raise CheckpointError(
+            f"{path}: a sharded checkpoint needs FSDP2 modules all sharded over one group (the site), found {found};"
+            " for models that are not sharded use save_checkpoint."
+        )
+    ((_, group),) = groups.values()
+    return group, dist.get_rank(group)
+
+
+def _stateful(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` in the form torch.distributed.checkpoint saves and loads: each object's state dict, by name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            out[name] = get_model_state_dict(plain_module(value))
+        elif _is_optimizer(value):
+            out[name] = get_optimizer_state_dict(_owner(path, name, value, state), _optimizer(value))
+        elif hasattr(value, "state_dict"):
+            out[name] = value.state_dict()
+            if _is_averager(value) and "error_feedback" in out[name]:
+                raise CheckpointError(
+                    f"{path}: `{name}` keeps error-feedback residuals, which a sharded checkpoint does not save"
+                    " (they are laid out by the ranks that quantized them); drop `error_feedback` or save another way."
+                )
+        else:
+            out[name] = value
+    return out
+
+
+def _apply(state: Mapping[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+    """Load ``loaded`` (filled by torch.distributed.checkpoint) into the objects of ``state``; the plain values."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    values = {}
+    for name, value in state.items():
+        if isinstance(value, nn.Module):
+            set_model_state_dict(plain_module(value), loaded[name])
+        elif _is_optimizer(value):
+            set_optimizer_state_dict(_owner(Path(), name, value, state), _optimizer(value), loaded[name])
+        elif hasattr(value, "load_state_dict"):
+            value.load_state_dict(loaded[name])
+        else:
+            values[name] = loaded[name]
+    return values
+
+
+def _add_outer_state(template: dict[str, Any], saved: Mapping[str, Any], name: str) -> None:
+    """An outer optimizer fills its state in its first step; entries the checkpoint has and the template lacks
+    (this Averager has not stepped yet) get a place to load into, shaped like the saved entry."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    outer = template.get("outer_optimizer")
+    if outer is None:
+        return
+    prefix = f"{name}.outer_optimizer.state."
+    shards = template["anchor"]  # by tensor name, placed like the parameter
+    for key, meta in saved.items():
+        if not key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata):
+            continue
+        tensor, field = key[len(prefix) :].rsplit(".", 1)
+        entry = outer["state"].setdefault(tensor, {})
+        if field in entry:
+            continue
+        like = shards.get(tensor)
+        if like is not None and tuple(meta.size) == tuple(like.shape):
+            local = like.to_local() if hasattr(like, "to_local") else like
+            entry[field] = _placed_like(like, torch.zeros_like(local, dtype=meta.properties.dtype))
+        else:
+            entry[field] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
+
+
+def _placed_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+def _is_optimizer(value: Any) -> bool:
+    return isinstance(_optimizer(value), Optimizer)
+
+
+def _optimizer(value: Any) -> Any:
+    """The torch optimizer under Fabric's wrapper."""
+    return getattr(value, "optimizer", value) if not isinstance(value, Optimizer) else value
+
+
+def _is_averager(value: Any) -> bool:
+    from fabric_multimodel.averaging import Averager
+
+    return isinstance(value, Averager)
+
+
+def _owner(path: Path, name: str, optimizer: Any, state: Mapping[str, Any]) -> nn.Module:
+    """The module of ``state`` whose parameters ``optimizer`` steps."""
+    params = {id(p) for group in _optimizer(optimizer).param_groups for p in group["params"]}
+    for value in state.values():
+        if isinstance(value, nn.Module) and params <= {id(p) for p in value.parameters()}:
+            return plain_module(value)
+    raise CheckpointError(
+        f"{path}: `{name}` steps parameters of no single module of the checkpoint; save it with its model."
+    )
