@@ -85,7 +85,7 @@ LM = Task(
     common.REPO / "examples" / "lm_fabric.py",
     keys=(
         "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean",
-        "comm_bytes", "comm_bytes_per_iter", "rounds",
+        "comm_bytes", "comm_bytes_per_iter", "rounds", "state_bytes",
     ),
     quality=("val_loss", "val_bpb"),
     steps=2000,

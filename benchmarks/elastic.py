@@ -34,7 +34,7 @@ from fabric_multimodel.sites import Drop, Join, run_sites  # noqa: E402
 NAME = "elastic"
 KEYS = (
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds",
+    "rounds", "state_bytes",
 )  # fmt: skip
 RESUMED = re.compile(r"--resume auto: step (\d+) from \S+ into (\d+) processes \(unix time ([\d.]+)")
 # The same line's phases: "seconds: start=9.1 fabric=2.0 ... transfer=6.1 load=0.2".

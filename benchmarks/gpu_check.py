@@ -69,7 +69,7 @@ GAN_KEYS = [
 ]  # fmt: skip
 LM_KEYS = [
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds",
+    "rounds", "state_bytes",
 ]  # fmt: skip
 GAN_HEADLINE = ["modes_captured", "high_quality", "iter_ms_median", "wall_s"]
 LM_HEADLINE = ["val_loss", "val_bpb", "iter_ms_median", "wall_s"]

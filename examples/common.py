@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.tensor import DTensor
 
 from fabric_multimodel import Averager, NodeGroups, ddp_of, node_groups
 from fabric_multimodel.checkpoints import (
@@ -40,6 +42,7 @@ from fabric_multimodel.checkpoints import (
 )
 from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
 from fabric_multimodel.launch import shutdown
+from fabric_multimodel.sharded_checkpoints import save_sharded
 
 
 def launched_by() -> str | None:
@@ -256,6 +259,7 @@ def mode_name(args: argparse.Namespace) -> str:
     parts += [LOW_PRECISION[args.comm_dtype]] if args.comm_dtype != "float32" else []
     parts += ["ef"] if args.error_feedback else []
     parts += ["islands"] if args.layout == "islands" else []
+    parts += ["sharded"] if getattr(args, "shard", "none") == "node" else []
     parts += [f"node{args.node_period}"] if args.node_period else []
     parts += [f"fragments{args.fragments}"] if args.fragments > 1 else []
     parts += [f"mixing{args.mixing:g}" if args.mixing != "progress" else "progress"] if args.mixing is not None else []
@@ -281,7 +285,7 @@ def run_folder(
     else:
         folder = Path("runs") / example / "-".join([*settings, f"seed{args.seed}"])
     earlier = folder / checkpoint
-    if resuming is None and earlier.is_file():
+    if resuming is None and earlier.exists():
         how = f"continue it with --resume {earlier} (and a larger --steps), or " if hasattr(args, "resume") else ""
         p.error(f"{folder} holds an earlier run's {checkpoint}; {how}start anew with --out NEW_FOLDER")
     return folder
@@ -351,7 +355,9 @@ def averaging_line(args: argparse.Namespace, averager: Averager) -> str:
     """An averaging run's first line: what the Averager does and in which layout (and why, when --layout was not
     given)."""
     line = f"averaging: {averager.config} layout={args.layout}"
-    if getattr(args, "layout_chosen", False) and args.layout == "islands":
+    if averager.sharded:
+        line += " (FSDP2 inside each node, rounds of its shards across nodes)"
+    elif getattr(args, "layout_chosen", False) and args.layout == "islands":
         nodes = world_shape(args)[1]
         line += f" (the world spans {nodes} nodes: warm-up and DDP stay inside each; --layout flat: DDP across them)"
     return line
@@ -415,10 +421,18 @@ def link_line(averager: Averager, end_seconds: float, end_bytes: int) -> str:
 
 
 def final_line(
-    steps: int, quality: str, *, wall_s: float, iter_seconds: Sequence[float], comm_bytes: int, rounds: int
+    steps: int,
+    quality: str,
+    *,
+    wall_s: float,
+    iter_seconds: Sequence[float],
+    comm_bytes: int,
+    rounds: int,
+    state_bytes: int | None = None,
 ) -> str:
     """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
-    the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``)."""
+    the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``); ``state_bytes`` (see
+    :func:`state_bytes`) ends it when given."""
     # The median is a typical local step; the mean also carries the averaging rounds' share.
     iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
     iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
@@ -426,7 +440,21 @@ def final_line(
         f"final: steps={steps} {quality} wall_s={wall_s:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
         f" comm_bytes={comm_bytes} comm_bytes_per_iter={comm_bytes / steps:.1f} rounds={rounds}"
+        + (f" state_bytes={state_bytes}" if state_bytes is not None else "")
     )
+
+
+def state_bytes(model: nn.Module, optimizer: Any, averager: Averager | None) -> int:
+    """This rank's bytes of parameters, gradients, optimizer state and the Averager's own tensors (anchors, outer
+    optimizer state, snapshots, send buffers): of an FSDP2 model, its shards. Each storage counts once; what DDP
+    and FSDP2 allocate for their collectives (gradient buckets, gathered parameters) is not counted."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    storages: dict[int, int] = {}
+    for t in tensors:
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage.nbytes())
+    return sum(storages.values()) + (averager.state_bytes if averager is not None else 0)
 
 
 def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -683,6 +711,11 @@ class Checkpointer:
         self.fabric, self.path = fabric, folder / "checkpoint.pt"
         #: True when each replica writes its own checkpoint and no checkpoint needs a round.
         self.local = averager is not None and averager.anchored
+        #: FSDP2 models: each site writes its replica's folder, every process its shards (no round, inside the site).
+        self.sharded = averager is not None and averager.sharded
+        if self.sharded:
+            assert averager is not None
+            self.path = replica_path(folder / "checkpoint", averager.replica.index)
         if self.local:
             assert averager is not None
             replica = averager.replica
@@ -694,6 +727,8 @@ class Checkpointer:
                 print(f"removed {stale}, left by a save that was interrupted", flush=True)
 
     def save(self, state: Mapping[str, Any]) -> Path:
+        if self.sharded:
+            return save_sharded(self.path, state)
         if self.local:
             self.writer.save(state)
             return self.writer.path

@@ -78,6 +78,7 @@ from common import (
     run_config,
     run_folder,
     start_fabric,
+    state_bytes,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
@@ -119,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tie-weights", action=argparse.BooleanOptionalAction, default=True, help="output layer = byte embedding"
     )
     add_averaging_arguments(p, warmup_steps=200)
+    p.add_argument(
+        "--shard",
+        choices=["none", "node"],
+        default="none",
+        help="node: shard the model over each node's processes with FSDP2 (rounds across nodes: needs --period)",
+    )
     p.add_argument("--eval-batches", type=int, default=8, help=f"held-out batches of {EVAL_BATCH_SIZE} sequences")
     add_run_arguments(p)
     args = p.parse_args(argv)
@@ -135,8 +142,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for path in args.data or ():
         if not path.exists():
             p.error(f"--data {path}: no such file or folder")
-    args.out = run_folder(p, args, "lm", mode_name(args))
+    if args.shard == "node":
+        check_sharding(p, args)
+    checkpoint = "checkpoint" if args.shard == "node" else "checkpoint.pt"  # a sharded checkpoint is a folder
+    args.out = run_folder(p, args, "lm", mode_name(args), checkpoint=checkpoint)
     return args
+
+
+def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--shard node: FSDP2 inside each node, the Averager across nodes; what it does not do yet is one line."""
+    if not args.period:
+        p.error("--shard node needs --period N: the model is sharded inside each node and averaged across nodes")
+    if args.layout == "flat" and not getattr(args, "layout_chosen", False) or args.node_period:
+        p.error("--shard node shards inside each node: drop --layout flat and --node-period")
+    args.layout = "islands"
+    if args.error_feedback:
+        p.error("--shard node: --error-feedback's residuals are not kept in sharded checkpoints yet; drop it")
+    if args.checkpoint_rounds or args.resume is not None:
+        p.error(
+            "--shard node: --checkpoint-rounds and --resume are not there yet; the checkpoints it writes load with"
+            " fabric_multimodel.sharded_checkpoints.load_sharded"
+        )
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -400,6 +426,10 @@ def train(args: argparse.Namespace) -> int | None:
         fail(fabric, f"--data: {error}")
     phases.mark("data")
     placement = layout(fabric, args)
+    if args.shard == "node":
+        assert placement.groups is not None
+        placement = placement._replace(setup={"shard": placement.groups.node})
+    sharded = args.shard == "node"  # every process of a site then takes part in its forwards (evaluation too)
     phases.mark("groups")
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [optimizer])
@@ -411,7 +441,10 @@ def train(args: argparse.Namespace) -> int | None:
     config = run_config(
         args,
         data=[str(path) for path in args.data] if args.data else "python-stdlib",
-        **{k: getattr(args, k) for k in ("context", "clip", "d_model", "layers", "heads", "positions", "tie_weights")},
+        **{
+            k: getattr(args, k)
+            for k in ("context", "clip", "d_model", "layers", "heads", "positions", "tie_weights", "shard")
+        },
     )
     # history: [step, bytes sent, validation loss] rows for the plot, kept across resumes.
     state: dict[str, Any] = {
@@ -450,6 +483,7 @@ def train(args: argparse.Namespace) -> int | None:
     iter_seconds: list[float] = []
     loss: torch.Tensor | None = None  # the last step's, logged at the end
     checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
+    memory = 0  # state_bytes, measured at the last step
     wall = time.perf_counter()
     end = (wall, sent())  # after the last step: what leaving the block costs is measured from here
     with averager or nullcontext():
@@ -463,6 +497,8 @@ def train(args: argparse.Namespace) -> int | None:
                 # Local under DDP: the gradients are already reduced, so every rank clips them alike.
                 fabric.clip_gradients(model, optimizer, max_norm=args.clip)
             optimizer.step()
+            if step == args.steps:  # the persistent state at its largest: before zero_grad frees the gradients
+                memory = state_bytes(model, optimizer, averager)
             optimizer.zero_grad()
             if averager is not None:
                 averager.step()
@@ -476,8 +512,9 @@ def train(args: argparse.Namespace) -> int | None:
             if step % args.log_every == 0 and step < args.steps:  # the last step is logged after the block
                 metrics = {"train_loss": loss.item(), "lr": learning_rate(step, args), "comm_bytes": sent()}
                 metrics["elapsed_s"] = time.perf_counter() - wall  # wall-clock to this point: time-to-target curves
-                if fabric.is_global_zero:  # rank 0's replica: no collective, the other ranks go on
+                if fabric.is_global_zero or sharded:  # rank 0's replica: no collective, the other ranks go on
                     metrics["val_loss"] = evaluate(model, eval_batches)
+                if fabric.is_global_zero:
                     state["history"].append([step, sent(), metrics["val_loss"]])
                 fabric.log_dict(metrics, step=step)
             if step < args.steps and stop.requested(step):
@@ -495,24 +532,26 @@ def train(args: argparse.Namespace) -> int | None:
     stop.close()
     end_round = (time.perf_counter() - end[0], sent() - end[1])
     progress.close()
-    if fabric.is_global_zero:
+    if fabric.is_global_zero or sharded:
         val_loss = evaluate(model, eval_batches)
+    if fabric.is_global_zero:
         state["history"].append([args.steps, sent(), val_loss])
         metrics = {"val_loss": val_loss, "lr": learning_rate(args.steps, args), "comm_bytes": sent(), "elapsed_s": wall}
         fabric.log_dict(metrics | ({"train_loss": loss.item()} if loss is not None else {}), step=args.steps)
     save(args.steps, sync=False)  # leaving the block averaged already
     round_checkpoints = checkpointer.close()
     fabric.logger.finalize("success")
+    sample = printable(generate(model, PROMPT, SAMPLE_BYTES, fabric.device)) if fabric.is_global_zero or sharded else ""
     if not fabric.is_global_zero:
         return None
 
     plot = args.out / "val_loss.png"
     save_plot(plot, state["history"])
-    sample = printable(generate(model, PROMPT, SAMPLE_BYTES, fabric.device))
     print(f"sample (temperature {SAMPLE_TEMPERATURE}, prompt {PROMPT.decode()!r}):")
     print("\n".join(f"  | {line}" for line in sample.split("\n")))  # "| ": no generated line looks like "final:"
     comm = sent()
-    print(f"run folder: {args.out} (checkpoint.pt, logs/, {plot.name})", flush=True)
+    checkpoint = "checkpoint/ (a folder per site)" if sharded else "checkpoint.pt"
+    print(f"run folder: {args.out} ({checkpoint}, logs/, {plot.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
     if averager is not None:
         print(link_line(averager, *end_round), flush=True)
@@ -521,7 +560,15 @@ def train(args: argparse.Namespace) -> int | None:
     quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"
     rounds = averager.rounds if averager is not None else 0
     print(
-        final_line(args.steps, quality, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm, rounds=rounds),
+        final_line(
+            args.steps,
+            quality,
+            wall_s=wall,
+            iter_seconds=iter_seconds,
+            comm_bytes=comm,
+            rounds=rounds,
+            state_bytes=memory,
+        ),  # fmt: skip
         flush=True,
     )
     return None

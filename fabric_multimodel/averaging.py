@@ -7,7 +7,7 @@ things happen :mod:`fabric_multimodel.schedule`'s, what a round does :mod:`fabri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -325,6 +325,19 @@ class Averager:
         return self._launched_at is not None
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the tensors this Averager keeps beside the modules' own: anchors, the outer optimizer's
+        state, snapshots, send buffers, quantization scratch and error-feedback residuals, and with FSDP2
+        shards its copy of them. What averaging adds to this rank's memory; no collective.
+
+        Example::
+
+            print(f"averaging holds {averager.state_bytes / 2**20:.1f} MiB on this rank")
+        """
+        modules = {t.untyped_storage().data_ptr() for t in self._round.storage.tensors}
+        return held_bytes([self._round, self._node_round], exclude=modules)
+
+    @property
     def anchored(self) -> bool:
         """True when rounds keep an anchor (DiLoCo, ``comm_dtype``): a checkpoint then needs no round.
 
@@ -615,6 +628,37 @@ class Averager:
                 # the first synchronous backward. Doing it here, on every rank at the same step, keeps
                 # that broadcast out of the local phase.
                 ddp._has_rebuilt_buckets = True
+
+
+def held_bytes(roots: Sequence[Any], exclude: Collection[int] = ()) -> int:
+    """Bytes of the distinct tensor storages reachable from ``roots`` through this library's objects, their lists
+    and dicts and optimizers' state, except the storages at the addresses in ``exclude``. DTensors are the
+    modules' FSDP2 parameters, referred to, not held."""
+    from torch.distributed.tensor import DTensor
+
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    pending = list(roots)
+    while pending:
+        item = pending.pop()
+        if isinstance(item, DTensor):
+            continue
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages.setdefault(storage.data_ptr(), storage.nbytes())
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (list, tuple, set)):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, Optimizer):
+            pending.extend(item.state.values())
+        elif type(item).__module__.startswith("fabric_multimodel.") and hasattr(item, "__dict__"):
+            pending.extend(vars(item).values())
+    return sum(size for address, size in storages.items() if address not in exclude)
 
 
 def _checked_counters(

@@ -114,11 +114,15 @@ def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str,
 
 def _site(path: Path, state: Mapping[str, Any]) -> tuple[Any, int]:
     """The group the state's FSDP2 modules are sharded over (one for all of them), and this rank's place in it."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     groups = {}
     for name, value in state.items():
         if isinstance(value, nn.Module):
+            for module in plain_module(value).modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()  # a forward without backward (evaluation) leaves the parameters gathered
             for parameter in value.parameters():
                 if isinstance(parameter, DTensor):
                     group = parameter.device_mesh.get_group()

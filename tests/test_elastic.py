@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "lm_fabric.py"
 KEYS = [
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds",
+    "rounds", "state_bytes",
 ]  # fmt: skip
 STEPS, PERIOD = 2500, 16
 TIMEOUT_S = 240

@@ -34,7 +34,7 @@ FABRIC = Path(sys.executable).parent / "fabric"
 TIMEOUT_S = 240
 KEYS = [
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds",
+    "rounds", "state_bytes",
 ]  # fmt: skip
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 BATCH = 4  # sequences per rank and step in the runs here: small, the schedule is what is tested
@@ -306,6 +306,10 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--layout", "islands"], "need --period"),
         (["--positions", "sinusoidal", "--d-model", "63", "--heads", "1"], "even --d-model"),
         (["--steps", "many"], "'many'"),
+        (["--shard", "node"], "--shard node needs --period"),
+        (["--shard", "node", "--period", "4", "--layout", "flat"], "drop --layout flat"),
+        (["--shard", "node", "--period", "4", "--comm-dtype", "float8_e4m3fn", "--error-feedback"], "--error-feedback"),
+        (["--shard", "node", "--period", "4", "--checkpoint-rounds"], "load_sharded"),
     ],
 )
 def test_bad_flags_exit_with_one_line(

@@ -58,7 +58,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 START = re.compile(r"^start: world=(\d+) rank=(\d+) node=(\d+) restart=(\d+) time=([\d.]+)$", re.MULTILINE)
 LM_KEYS = [
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds",
+    "rounds", "state_bytes",
 ]  # fmt: skip
 GAN_KEYS = [
     "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes",
@@ -467,16 +467,17 @@ def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(runs, sig
 
 
 @pytest.fixture(scope="module")
-def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str | None]]:
-    """examples/lm_fabric.py (DiLoCo) and examples/gan_fabric.py (local SGD), 6 steps each, at 100 mbit, both at
+def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str | None, Path]]:
+    """examples/lm_fabric.py (DiLoCo, FSDP2 inside each site of 2 processes, a sharded checkpoint at step 3 and at
+    the end) and examples/gan_fabric.py (local SGD, one process per site), 6 steps each, at 100 mbit, both at
     once: the LM by the command line (stdout: the tool's lines and site 0's output), the GAN by ``run_sites``
-    (site 0's stdout log). (exit code, output, errors, run id) by name."""
+    (site 0's stdout log). (exit code, output, errors, run id, run folder) by name."""
     base = tmp_path_factory.mktemp("examples")
     schedule = ["--steps", "6", "--period", "3", "--warmup-steps", "2", "--checkpoint-every", "0"]
     lm = [str(ROOT / "examples" / "lm_fabric.py"), *schedule, "--outer", "nesterov", "--log-every", "3"]
-    lm += ["--eval-batches", "1", "--out", str(base / "lm")]
+    lm += ["--eval-batches", "1", "--shard", "node", "--checkpoint-every", "3", "--out", str(base / "lm")]
     gan = [*schedule, "--out", str(base / "gan")]
-    tool = [*TOOL, "--sites", "2", "--devices", "1", "--bandwidth", "100mbit", "--timeout", str(TIMEOUT_S)]
+    tool = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "100mbit", "--timeout", str(TIMEOUT_S)]
     tool += ["--out", str(base / "lm-sites"), "--", *lm]
     # The example imports fabric_multimodel: this checkout's, as the tests do.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -490,24 +491,31 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
     finally:
         end_the_tool(proc)
     lm_run = re.match(r"sites: run (\w+):", stdout)
+    gan_errors = tail(*result.logs[0], *result.logs[1])
     return {
-        "lm": (proc.returncode, stdout, stderr, lm_run[1] if lm_run else None),
-        "gan": (result.code, result.logs[0][0].read_text(), tail(*result.logs[0], *result.logs[1]), result.run_id),
+        "lm": (proc.returncode, stdout, stderr, lm_run[1] if lm_run else None, base / "lm"),
+        "gan": (result.code, result.logs[0][0].read_text(), gan_errors, result.run_id, base / "gan"),
     }
 
 
 @pytest.mark.parametrize(("name", "keys"), [("lm", LM_KEYS), ("gan", GAN_KEYS)])
 def test_the_examples_train_across_two_sites(examples, name, keys):
     """Warm-up steps 1-2 synchronous, a round at step 5, and one on leaving the local steps at 6."""
-    code, stdout, stderr, run_id = examples[name]
+    code, stdout, stderr, run_id, folder = examples[name]
     assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     final = parse_final_line(stdout, keys)
     assert int(final["steps"]) == 6 and int(final["rounds"]) == 2 and int(final["comm_bytes"]) > 0, final
     quality = float(final["val_loss"]) if name == "lm" else int(final["modes_captured"].split("/")[0])
     assert math.isfinite(quality) and quality >= 0, final
     if name == "lm":  # the command line: its lines around site 0's output
-        assert stdout.startswith("sites: run ") and " 2 x 1 processes, link 100mbit each way, measured " in stdout
+        assert stdout.startswith("sites: run ") and " 2 x 2 processes, link 100mbit each way, measured " in stdout
         assert stdout.strip().splitlines()[-1].startswith("sites: exit 0 after ")
+        assert "layout=islands (FSDP2 inside each node, rounds of its shards across nodes)" in stdout
+        assert int(final["state_bytes"]) > 0
+        # Each site wrote its own sharded checkpoint, complete, and nothing temporary is left beside them.
+        assert sorted(p.name for p in folder.glob("checkpoint*")) == ["checkpoint", "checkpoint.replica1"]
+        assert all((folder / name / ".metadata").is_file() for name in ("checkpoint", "checkpoint.replica1"))
+        assert not list(folder.glob(".checkpoint*"))
     assert run_id and leftovers(run_id) == []
 
 
