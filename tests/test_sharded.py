@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from fabric_multimodel import Averager, frozen, replicas_in_sync, setup_models
 from fabric_multimodel.arguments import plain_module
 from fabric_multimodel.checkpoints import CheckpointWriter, replica_path, save_checkpoint
+from fabric_multimodel.rounds import Header
 from fabric_multimodel.sharded_checkpoints import load_sharded, save_sharded
 from tests.gan import collectives, mlp
 
@@ -287,3 +288,30 @@ def test_a_sharded_checkpoint_reshards_into_fewer_devices_and_more_sites(sharded
         assert all(torch.equal(state[k], expected[k]) for k in state), [
             k for k in state if not torch.equal(state[k], expected[k])
         ]
+
+
+def averager_memory(fabric, options: dict):
+    """Per layout, this rank's parameter bytes (its shards when sharded) and the Averager's ``state_bytes``."""
+    site, peers = sites_of_two(fabric)
+    found = {}
+    for layout in ("islands", "sharded"):
+        torch.manual_seed(0)
+        placement = {"process_group": site} if layout == "islands" else {"shard": site}
+        (model,) = setup_models(fabric, m=mlp([3, 8, 8, 3]), **placement)
+        averager = Averager(fabric, model, process_group=peers, period=4, **options)
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in model.parameters())
+        found[layout] = (local, averager.state_bytes)
+    return found
+
+
+def test_state_bytes_counts_what_the_averager_keeps_beside_the_modules(worlds):
+    header = Header.SLOTS * 2 * 4  # fp32 slots for the 2 ranks of a round, at the end of the storage
+    for options, extra in [({"outer_optimizer": NESTEROV}, 1), ({"overlap_steps": 1}, 2)]:
+        for found in worlds(4).run(averager_memory, options):
+            local, held = found["islands"]
+            # Islands: the parameters live in the Averager's flat storage (theirs, not counted); DiLoCo keeps an
+            # anchor (no momentum before its first outer step), overlap a snapshot and a send buffer.
+            assert held == {1: local, 2: 2 * local + header}[extra], (options, found)
+            local, held = found["sharded"]
+            # Sharded: the synced copy of the shards (with the header's slots) comes on top.
+            assert held == local + header + {1: local, 2: 2 * local + header}[extra], (options, found)
