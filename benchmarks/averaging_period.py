@@ -688,7 +688,9 @@ def report_sites(
         " the run's wall-clock; vs unlimited link: the same setting's time per iteration with no limit, over this"
         " one's (what the link costs alone); the utilisation on an unlimited link is what the simulation costs"
         " (DDP inside a site and the rounds' own work on the shared cores). Crossing bytes: per rank and iteration,"
-        " the collectives over groups that span sites; in-site DDP bytes: DDP's allreduce inside each site."
+        " the collectives over groups that span sites; in-site DDP bytes: DDP's allreduce inside each site (FSDP2's"
+        " traffic inside a site is not counted). State: the final line's state_bytes, rank 0's parameters,"
+        " gradients, optimizer states and the Averager's own tensors."
         + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
         + " Model: the cost model's wall-clock (benchmarks/site_sweep.py) from the measured link rate.\n"
     )
@@ -696,7 +698,7 @@ def report_sites(
     unlimited = {r["setting"]: r["wall_s"] / r["steps"] for r in runs if r["bandwidth"] == "none"}
     headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "vs unlimited link"]
     headers += ["crossing B/iter", "in-site DDP B/iter"]
-    headers += ["val loss", "to target s"] if task is LM else ["modes", "high quality"]
+    headers += ["val loss", "to target s", "state B/rank"] if task is LM else ["modes", "high quality"]
     headers += ["model wall s (error)"]
     table = []
     for r in runs:
@@ -714,6 +716,7 @@ def report_sites(
         if task is LM:
             reached = r["time_to_target_s"]
             line += [f"{r['val_loss']:.4f}", f"{reached:.1f}" if reached == reached else "not reached"]
+            line += [f"{r['state_bytes']:,.0f}"]
         else:
             line += [f"{r['modes_captured']:g}/{r['modes_captured_of']:g}", f"{r['high_quality']:.3f}"]
         line.append(f"{r['model_wall_s']:.1f} ({100 * r['model_error']:+.0f}%)")

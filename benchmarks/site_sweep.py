@@ -81,6 +81,23 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             islands=True,
             fragments=4,
         ),
+        # FSDP2 inside each site (memory per rank falls with the processes per site), beside the DDP islands rows.
+        SiteSetting(
+            "sharded-diloco=128",
+            "sharded islands (FSDP2), DiLoCo 128",
+            run(128, *islands, "--shard", "node"),
+            islands=True,
+            links=("none", "10mbit"),
+        ),
+        SiteSetting(
+            "sharded-streaming=128",
+            "sharded islands (FSDP2), streaming DiLoCo 128 (F=4, overlap 16)",
+            run(128, *islands, *streaming, "--shard", "node"),
+            hidden=16,
+            islands=True,
+            fragments=4,
+            links=("none", "10mbit"),
+        ),
         # The examples' defaults for a run across sites: no --layout (islands, since the world spans the sites).
         SiteSetting(
             "default=128",

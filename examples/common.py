@@ -97,7 +97,13 @@ class Parser(argparse.ArgumentParser):
 
 def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) -> None:
     g = p.add_argument_group("averaging (local SGD and DiLoCo)")
-    g.add_argument("--period", type=int, default=0, help="0: synchronous DDP; N: average every N steps after warm-up")
+    g.add_argument(
+        "--period",
+        type=_period,
+        default=0,
+        help="0: synchronous DDP; N: average every N steps after warm-up; auto: the smallest period whose rounds hide"
+        " behind compute, chosen at the end of warm-up from the measured step and link",
+    )
     g.add_argument("--warmup-steps", type=int, default=warmup_steps, help="synchronous steps before local steps")
     g.add_argument("--overlap-steps", type=int, default=0, help="merge each round this many steps after its launch")
     g.add_argument("--outer", choices=["none", "nesterov"], default="none", help="nesterov: DiLoCo's outer step")
@@ -129,6 +135,15 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
         help="overlapped merges: (1 - a) * global + a * local, or 'progress': global + local progress (default:"
         " 0.5 with --fragments, measured best on two seeds; progress without)",
     )
+
+
+def _period(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number of steps or 'auto', got {text!r}") from None
 
 
 def _mixing(text: str) -> float | str:
@@ -192,9 +207,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         "steps": 1, "batch_size": 1, "period": 0, "warmup_steps": 0, "overlap_steps": 0,
         "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1, "node_period": 0, "fragments": 1,
     }  # fmt: skip
+    auto = args.period == "auto"
+    if auto and (args.warmup_steps < 2 or args.node_period):
+        p.error("--period auto times the warm-up's steps: it needs --warmup-steps 2 or more, and no --node-period")
     for flag, minimum in minimums.items():
         value = getattr(args, flag, None)
-        if value is not None and value < minimum:
+        if value is not None and value != "auto" and value < minimum:
             p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
     for flag in ("lr", "outer_lr", "timeout"):
         value = getattr(args, flag)
@@ -214,9 +232,13 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.layout != "flat" or args.period % args.node_period or args.node_period == args.period
     ):
         p.error("--node-period needs --layout flat and a --period that is a larger multiple of it")
-    if args.overlap_steps and args.overlap_steps >= args.period:
+    if not auto and args.overlap_steps and args.overlap_steps >= args.period:
         p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
-    if args.fragments > 1 and (args.period % args.fragments or args.overlap_steps >= args.period // args.fragments):
+    if (
+        not auto
+        and args.fragments > 1
+        and (args.period % args.fragments or args.overlap_steps >= args.period // args.fragments)
+    ):
         p.error("--fragments F needs a --period that F divides and --overlap-steps smaller than --period / F")
     if args.error_feedback and args.comm_dtype not in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2"):
         p.error("--error-feedback needs a float8 or float4 --comm-dtype")

@@ -257,6 +257,8 @@ def train(args: argparse.Namespace) -> int | None:
             opt_g.zero_grad()
             if averager is not None:
                 averager.step()
+                if step == args.warmup_steps and averager.period_choice is not None:
+                    fabric.print(averager.period_choice)  # --period auto: what it chose, and from what
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
                     state.update(step=step, grad_bytes=grad_bytes.bytes)
                     checkpointer.after_round(state | {"world_size": fabric.world_size})

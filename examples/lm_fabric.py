@@ -502,6 +502,8 @@ def train(args: argparse.Namespace) -> int | None:
             optimizer.zero_grad()
             if averager is not None:
                 averager.step()
+                if step == args.warmup_steps and averager.period_choice is not None:
+                    fabric.print(averager.period_choice)  # --period auto: what it chose, and from what
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
                     state.update(step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes)
                     checkpointer.after_round(state | {"world_size": fabric.world_size})

@@ -51,6 +51,8 @@ class Placement:
     islands: bool
     #: The modules' DDPs.
     ddps: tuple[DistributedDataParallel, ...]
+    #: Islands: the group that keeps this rank's replica together (its DDP's, or its FSDP2 shards'); else None.
+    site: ProcessGroup = None
 
 
 def check_placement(
@@ -85,9 +87,11 @@ def check_placement(
                 "Averager: with FSDP2 models, shard every model (setup_models(..., shard=group) shards all) and"
                 " average across sites without `node_period` (a round inside a site has nothing to average)."
             )
-        check_sharded_layout(modules, process_group)
+        site = check_sharded_layout(modules, process_group)
+        return Placement(True, True, (), site)
     ddps = tuple(ddp for ddp in map(ddp_of, modules) if ddp is not None)
-    return Placement(any(shards), any(shards) or islands_layout(ddps, process_group, node_period), ddps)
+    islands = islands_layout(ddps, process_group, node_period)
+    return Placement(False, islands, ddps, ddps[0].process_group if islands else None)
 
 
 def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:
@@ -166,15 +170,18 @@ def check_replicated(module: nn.Module) -> bool:
     return False
 
 
-def check_sharded_layout(modules: Sequence[nn.Module], group: ProcessGroup) -> None:
+def check_sharded_layout(modules: Sequence[nn.Module], group: ProcessGroup) -> ProcessGroup:
     """FSDP2 models must shard over a group that meets the averaging group in this rank alone (the site, when
-    averaging across sites): a round then averages each shard with the same shard of the other sites."""
+    averaging across sites): a round then averages each shard with the same shard of the other sites. Returns
+    the group of the first module's shards."""
     from torch.distributed.tensor import DTensor
 
+    site = None
     averaging = set(group_ranks(group))
     for module in modules:
         for p in module.parameters():
             assert isinstance(p, DTensor)
+            site = site or p.device_mesh.get_group()
             ranks = set(dist.get_process_group_ranks(p.device_mesh.get_group()))
             if ranks & averaging != {dist.get_rank()}:
                 raise ValueError(
@@ -183,6 +190,7 @@ def check_sharded_layout(modules: Sequence[nn.Module], group: ProcessGroup) -> N
                     " process_group=node_groups(fabric).across with setup_models(..., shard=node_groups(fabric).node)."
                 )
             break  # one mesh per module (fully_shard's)
+    return site
 
 
 def as_module_list(modules: Any, caller: str) -> list[nn.Module]:

@@ -7,6 +7,8 @@ things happen :mod:`fabric_multimodel.schedule`'s, what a round does :mod:`fabri
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import as_module_list, check_optimizers, check_placement
+from fabric_multimodel.auto_period import PeriodChoice, agree, choose_period, time_round
 from fabric_multimodel.builder import build_rounds
 from fabric_multimodel.collectives import (
     ProcessGroup,
@@ -207,7 +210,7 @@ class Averager:
         self.sharded = placement.sharded
         #: True when the modules synchronise inside each node (DDP, or FSDP2 shards) and rounds average across nodes.
         self.islands = placement.islands
-        self.period, self.warmup_steps, self.overlap_steps = config.period, config.warmup_steps, config.overlap_steps
+        self.warmup_steps, self.overlap_steps = config.warmup_steps, config.overlap_steps
         self.average_buffers, self.node_period = config.average_buffers, config.node_period
         self.process_group, self.node_group = process_group, node_group
         names = list(modules._fields) if isinstance(modules, Models) else None
@@ -215,14 +218,12 @@ class Averager:
         self._round, self._node_round, self._has_buffers = built.round, built.node_round, built.has_buffers
         #: The number of fragments; a round covers one.
         self.fragments = built.fragments
-        self.schedule = Schedule(
-            self.period,
-            self.warmup_steps,
-            fragments=self.fragments,
-            overlap_steps=self.overlap_steps,
-            node_period=self.node_period,
-            phases=self._round.phases,
-        )
+        #: With ``period="auto"``: what was chosen at the end of warm-up, and from what (None until then).
+        self.period_choice: PeriodChoice | None = None
+        self._step_gaps: list[float] = []  # period="auto": seconds between the warm-up's step() calls
+        self._last_step: float | None = None
+        self._site = placement.site
+        self._set_period(built.period)
         self._device = fabric.device
         self._ddps = [] if self.islands else list(placement.ddps)  # the DDPs switched off after warm-up
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
@@ -232,6 +233,30 @@ class Averager:
         self.start_traffic = self._start_islands()
         # Islands: the node's processes hold one replica between them; the first one writes it.
         self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in placement.ddps)
+
+    def _set_period(self, period: int) -> None:
+        #: Local steps between rounds (with ``period="auto"``: the smallest allowed until the end of warm-up).
+        self.period = period
+        self.schedule = Schedule(
+            period,
+            self.warmup_steps,
+            fragments=self.fragments,
+            overlap_steps=self.overlap_steps,
+            node_period=self.node_period,
+            phases=self._round.phases,
+        )
+
+    def _choose_period(self) -> None:
+        """period="auto", at the end of warm-up: time a round's payload across ``process_group`` and choose from
+        it and the warm-up's steps, with the slowest rank's figures on every rank (see ``auto_period``)."""
+        step_s = statistics.median(self._step_gaps)
+        sent = self._round.traffic.bytes
+        round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
+        groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
+        step_s, round_s = agree(step_s, round_s, self._device, groups)
+        period = choose_period(max(step_s, 1e-6), round_s, self.fragments, self.overlap_steps)
+        self.period_choice = PeriodChoice(period, step_s, round_s, sent)
+        self._set_period(period)
 
     def _reset_counters(self) -> None:
         #: ``step()`` calls so far.
@@ -386,6 +411,11 @@ class Averager:
         if self._ddp_settings is None:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
+        if self.config.period == "auto" and self.steps <= self.warmup_steps:
+            now = time.perf_counter()
+            if self._last_step is not None:
+                self._step_gaps.append(now - self._last_step)
+            self._last_step = now
         started = False
         events = self.schedule.at(self.steps)
         if events:
@@ -437,6 +467,9 @@ class Averager:
         }
         if self.fragments > 1:
             state["fragments_synced_at"] = list(self._synced_at)
+        if self.config.period == "auto":  # what was chosen, or the warm-up's step times measured so far
+            state["period_choice"] = list(self.period_choice) if self.period_choice else None
+            state["warmup_step_s"] = list(self._step_gaps)
         state.update(self._round.state_dict())
         if self.anchored:
             state["replica"] = self.replica.index
@@ -456,12 +489,16 @@ class Averager:
             fabric.load("ckpt.pt", {"averager": averager, "gen": gen})
         """
         values, synced_at, saved_by = _checked_counters(state_dict, self._round.state_keys, self.fragments)
+        choice, gaps = self._checked_choice(state_dict, values["steps"])
         try:
             self._round.load_state_dict(state_dict)
         except ValueError as error:
             raise ValueError(f"Averager.load_state_dict: {error}") from None
         self.steps, self.rounds, self._synced_at = values["steps"], values["rounds"], synced_at
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
+        if self.config.period == "auto":
+            self.period_choice, self._step_gaps, self._last_step = choice, gaps, None
+            self._set_period(choice.period if choice else self.period)
         if saved_by not in (None, self.replica.index) and self.local:
             # Another replica's checkpoint (this one has none at that step, or the world changed): start
             # from the global model, not from a copy of that replica's local progress.
@@ -469,6 +506,32 @@ class Averager:
                 self._round.restore_global()
         if self._ddp_settings is not None:
             self._apply_phase()
+
+    def _checked_choice(self, state: dict[str, Any], steps: int) -> tuple[PeriodChoice | None, list[float]]:
+        """period="auto": the state's chosen period (None: not chosen yet) and warm-up step times, checked."""
+        if self.config.period != "auto":
+            return None, []
+        saved, gaps = state.get("period_choice"), state.get("warmup_step_s")
+        if not isinstance(gaps, list) or not all(isinstance(g, float) and g >= 0 for g in gaps):
+            raise ValueError(
+                "Averager.load_state_dict: period='auto' needs the state's `warmup_step_s` (a list of seconds);"
+                " it was saved by an Averager with a fixed period: give that period instead of 'auto'."
+            )
+        if saved is None:
+            if steps >= self.warmup_steps:
+                raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no chosen period.")
+            return None, gaps
+        choice = PeriodChoice(*saved)
+        period = choice.period
+        if (
+            isinstance(period, bool)
+            or not isinstance(period, int)
+            or period < self.fragments * (self.overlap_steps + 1)
+        ):
+            raise ValueError(f"Averager.load_state_dict: `period_choice` holds an impossible period {period!r}.")
+        if period % self.fragments:
+            raise ValueError(f"Averager.load_state_dict: the chosen period {period} is no multiple of the fragments.")
+        return choice, gaps
 
     def restore_global(self) -> None:
         """Set the averaged tensors to the global model, their anchors; no collective.
@@ -506,6 +569,8 @@ class Averager:
         }
 
     def _start_local_phase(self, event: Event) -> bool:
+        if self.config.period == "auto" and self.period_choice is None:
+            self._choose_period()
         self._apply_phase()
         if self.islands:  # the nodes trained apart: their first rounds are plain means, and set the anchors
             self._round.release_anchors()

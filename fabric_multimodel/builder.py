@@ -45,6 +45,8 @@ class Built:
     node_round: MeanRound | None
     #: The number of fragments; a round covers one.
     fragments: int
+    #: The period: the config's, or with ``period="auto"`` the smallest the fragments and overlap allow.
+    period: int
     #: Whether floating-point buffers are averaged too (they ride with the last fragment).
     has_buffers: bool
     #: The tensors (names, shapes, dtypes) and settings every rank of the averaging group must share.
@@ -63,7 +65,9 @@ def build_rounds(
     """The storage and the rounds for ``modules`` under ``config``; a clear error for fragments that do not fit."""
     tensors, names, n_params = averaged_tensors(modules, config.average_buffers, model_names)
     groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
-    check_fragments(len(groups), config.period, config.overlap_steps, optimizers)
+    # period="auto" is chosen at the end of warm-up; until then the smallest one the fragments and overlap allow.
+    period = config.period if isinstance(config.period, int) else len(groups) * (config.overlap_steps + 1)
+    check_fragments(len(groups), period, config.overlap_steps, optimizers)
     # Each fragment's parameters next to each other in the flat storage (buffers last, with the last fragment),
     # so that a fragment is one range of each flat buffer. Fragments are cut by the whole parameters, so that
     # every rank of a site cuts the same; a round averages what this rank holds of each.
@@ -90,6 +94,7 @@ def build_rounds(
         _round(config, storage, n_params, process_group, parts, order, node),
         node_round,
         len(groups),
+        period,
         len(tensors) > n_params,
         repr((layout, settings)),
     )

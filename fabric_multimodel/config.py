@@ -36,7 +36,9 @@ class AveragerConfig:
     """The schedule and the rounds of an :class:`~fabric_multimodel.Averager`; see it for what each option does.
 
     Attributes:
-        period: local steps between rounds after warm-up (with fragments: between two rounds of one fragment).
+        period: local steps between rounds after warm-up (with fragments: between two rounds of one fragment);
+            ``"auto"``: the smallest whose rounds hide behind compute, chosen at the end of warm-up from the
+            measured step and link (:mod:`fabric_multimodel.auto_period`).
         warmup_steps: synchronous steps before local steps begin.
         average_buffers: also average floating-point buffers (BatchNorm running statistics).
         outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
@@ -54,7 +56,7 @@ class AveragerConfig:
         dataclasses.replace(config, overlap_steps=4)  # another config; this one is unchanged
     """
 
-    period: int
+    period: int | str
     warmup_steps: int = 0
     average_buffers: bool = True
     outer_optimizer: OuterOptimizerFactory | None = None
@@ -126,14 +128,21 @@ def _short(value: Any) -> str:
 
 
 def _check(config: AveragerConfig, caller: str = "Averager") -> None:
-    check_int("period", config.period, minimum=1, caller=caller)
     check_int("warmup_steps", config.warmup_steps, minimum=0, caller=caller)
     check_int("overlap_steps", config.overlap_steps, minimum=0, caller=caller)
+    if config.period == "auto":
+        if config.warmup_steps < 2 or config.node_period is not None:
+            raise ValueError(
+                f"{caller}: `period='auto'` times the warm-up's steps and chooses the period across the world: it"
+                f" needs `warmup_steps` >= 2 (got {config.warmup_steps}) and no `node_period`."
+            )
+    else:
+        check_int("period", config.period, minimum=1, caller=caller)
     for name in ("average_buffers", "check_finite", "error_feedback"):
         flag = getattr(config, name)
         if not isinstance(flag, bool):
             raise TypeError(f"{caller}: `{name}` must be True or False, got {flag!r}.")
-    if config.overlap_steps >= config.period:
+    if isinstance(config.period, int) and config.overlap_steps >= config.period:
         raise ValueError(
             f"{caller}: `overlap_steps` ({config.overlap_steps}) must be smaller than `period` ({config.period}), so"
             " that a round is merged before the next one starts."
@@ -166,6 +175,7 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
             )
     if config.node_period is not None:
         check_int("node_period", config.node_period, minimum=1, caller=caller)
+        assert isinstance(config.period, int)  # "auto" was refused above
         if config.period % config.node_period or config.node_period == config.period:
             raise ValueError(
                 f"{caller}: `period` ({config.period}) must be a multiple of `node_period` ({config.node_period}),"

@@ -307,6 +307,8 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--positions", "sinusoidal", "--d-model", "63", "--heads", "1"], "even --d-model"),
         (["--steps", "many"], "'many'"),
         (["--shard", "node"], "--shard node needs --period"),
+        (["--period", "auto", "--warmup-steps", "1"], "--period auto times the warm-up's steps"),
+        (["--period", "soon"], "a whole number of steps or 'auto'"),
         (["--shard", "node", "--period", "4", "--layout", "flat"], "drop --layout flat"),
         (["--shard", "node", "--period", "4", "--comm-dtype", "float8_e4m3fn", "--error-feedback"], "--error-feedback"),
         (["--shard", "node", "--period", "4", "--checkpoint-rounds"], "load_sharded"),
