@@ -35,6 +35,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -550,6 +551,8 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
             if setting.links and bandwidth not in setting.links:
                 continue
             period = _flag_value(setting.flags, "--period")
+            if period is None:  # --period auto: the smallest it may choose, until the run says what it chose
+                period = setting.fragments * (setting.hidden + 1)
             model = functools.partial(
                 site_sweep.predict_wall_s,
                 setting,
@@ -571,6 +574,9 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
                 bar.advance(note=f"{bandwidth} {setting.key} failed")
                 continue
             measured = row["measured_mbit_s"] * 1e6 if row["measured_mbit_s"] else None
+            if row.get("chosen_period"):
+                model = functools.partial(model, period=row["chosen_period"])
+                row["description"] += f": chose {row['chosen_period']}"
             modelled.append(functools.partial(model, steps=steps, rate_bits=measured if nominal else None))
             row["model_wall_s"] = modelled[-1]()
             row["utilisation"] = site_sweep.utilisation(iter_s, steps, row["wall_s"])
@@ -597,8 +603,12 @@ def task_parameter_bytes(task: Task) -> int:
     return site_sweep.LM_PARAMETER_BYTES if task is LM else site_sweep.RING_PARAMETER_BYTES
 
 
-def _flag_value(flags: Sequence[str], flag: str) -> int:
-    return int(flags[flags.index(flag) + 1]) if flag in flags else 0
+def _flag_value(flags: Sequence[str], flag: str) -> int | None:
+    """A flag's whole-number value (0 when absent), None for ``auto``."""
+    if flag not in flags:
+        return 0
+    value = flags[flags.index(flag) + 1]
+    return None if value == "auto" else int(value)
 
 
 def run_on_sites(
@@ -638,6 +648,7 @@ def run_on_sites(
         tail = "\n".join(result.logs[0][1].read_text().strip().splitlines()[-10:])
         raise RuntimeError(f"{bandwidth} {setting.key}: {error}; logs in {run_dir}\n{tail}") from None
     comm = _comm_line(stdout)
+    chosen = re.search(r"^period auto: (\d+) ", stdout, re.MULTILINE)
     crossing = comm.get("round_bytes", 0.0) + (0.0 if setting.islands else comm.get("ddp_bytes", 0.0))
     metrics = next((run_dir / "run").glob("logs/version_*/metrics.csv"), run_dir / "missing.csv")
     row = {
@@ -653,6 +664,7 @@ def run_on_sites(
         "measured_mbit_s": result.measured_mbit_s,
         "metrics": str(metrics),
         "run_s": round(result.wall_s, 1),
+        "chosen_period": int(chosen[1]) if chosen else None,
     }
     common.write_json(result_path, {"key": key, "row": row})
     return row

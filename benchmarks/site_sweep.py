@@ -48,7 +48,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
     """The LM example's settings of the sweep (``--quick``: three, for CI)."""
     diloco = ("--outer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
 
-    def run(period: int, *extra: str) -> tuple[str, ...]:
+    def run(period: int | str, *extra: str) -> tuple[str, ...]:
         return ("--period", str(period), "--warmup-steps", str(warmup), *diloco, *extra)
 
     islands, flat = ("--layout", "islands"), ("--layout", "flat")
@@ -107,6 +107,16 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             islands=True,
             fragments=4,
             links=("none", "100mbit", "10mbit"),
+        ),
+        # The period chosen from the measured step and link (--period auto), beside the fixed 128 above.
+        SiteSetting(
+            "default=auto",
+            "streaming DiLoCo, period auto (F=4, overlap 16), default layout",
+            run("auto", *streaming),
+            hidden=16,
+            islands=True,
+            fragments=4,
+            links=("none", "100mbit", "10mbit", "1mbit"),
         ),
         SiteSetting(
             "default=128-fp4",

@@ -249,6 +249,11 @@ class Averager:
     def _choose_period(self) -> None:
         """period="auto", at the end of warm-up: time a round's payload across ``process_group`` and choose from
         it and the warm-up's steps, with the slowest rank's figures on every rank (see ``auto_period``)."""
+        if not self._step_gaps:  # every rank resumed from the same counts: all raise here, before any collective
+            raise RuntimeError(
+                "Averager: period='auto' timed no warm-up step (the run resumed at the warm-up's last step); resume"
+                " from an earlier checkpoint, or give the period as a number."
+            )
         step_s = statistics.median(self._step_gaps)
         sent = self._round.traffic.bytes
         round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)

@@ -109,7 +109,7 @@ def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str,
         if _is_averager(value):
             _add_outer_state(template[name], saved, name)
     dcp.load(template, checkpoint_id=path, process_group=group)
-    return _apply(state, template)
+    return _apply(path, state, template)
 
 
 def _site(path: Path, state: Mapping[str, Any]) -> tuple[Any, int]:
@@ -159,7 +159,7 @@ def _stateful(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _apply(state: Mapping[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+def _apply(path: Path, state: Mapping[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
     """Load ``loaded`` (filled by torch.distributed.checkpoint) into the objects of ``state``; the plain values."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
@@ -168,7 +168,7 @@ def _apply(state: Mapping[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, nn.Module):
             set_model_state_dict(plain_module(value), loaded[name])
         elif _is_optimizer(value):
-            set_optimizer_state_dict(_owner(Path(), name, value, state), _optimizer(value), loaded[name])
+            set_optimizer_state_dict(_owner(path, name, value, state), _optimizer(value), loaded[name])
         elif hasattr(value, "load_state_dict"):
             value.load_state_dict(loaded[name])
         else:
