@@ -137,22 +137,22 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     )
 
 
-def _period(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a whole number of steps or 'auto', got {text!r}") from None
+def _word_or(word: str, number: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse type: ``word`` itself, or a number read by ``number``; else one line naming both."""
+
+    def parse(text: str) -> Any:
+        if text == word:
+            return text
+        try:
+            return number(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} or {word!r}, got {text!r}") from None
+
+    return parse
 
 
-def _mixing(text: str) -> float | str:
-    if text == "progress":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number in [0, 1] or 'progress', got {text!r}") from None
+_period = _word_or("auto", int, "a whole number of steps")
+_mixing = _word_or("progress", float, "a number in [0, 1]")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
