@@ -40,9 +40,10 @@ from fabric_multimodel.checkpoints import (
     replica_path,
     save_checkpoint,
 )
+from fabric_multimodel.collectives import extremes
 from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
 from fabric_multimodel.launch import shutdown
-from fabric_multimodel.sharded_checkpoints import save_sharded
+from fabric_multimodel.sharded_checkpoints import METADATA, load_sharded, save_sharded
 
 
 def launched_by() -> str | None:
@@ -250,8 +251,10 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.mixing = 0.5
     if args.resume is None and restart_count():
         args.resume = AUTO  # torchrun's agent restarted this node's workers: go on from the run folder
-    if args.resume is not None and args.resume != AUTO and not args.resume.is_file():
-        p.error(f"--resume {args.resume}: no such file")
+    sharded = getattr(args, "shard", "none") == "node"  # its checkpoints are folders, one per site
+    kind = "folder" if sharded else "file"
+    if args.resume not in (None, AUTO) and not (args.resume.is_dir() if sharded else args.resume.is_file()):
+        p.error(f"--resume {args.resume}: no such {kind}")
     anchored = args.outer != "none" or args.comm_dtype != "float32"
     if args.checkpoint_rounds and (not args.period or args.node_period or (args.overlap_steps and not anchored)):
         p.error(
@@ -512,7 +515,11 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
     config = state["config"]  # the load replaces it with the checkpoint's
     path = args.out / "checkpoint.pt" if args.resume == AUTO else args.resume
     averager = state.get("averager")
-    if averager is not None and averager.anchored:  # each replica resumes from its own file, when it has one
+    sharded = averager is not None and averager.sharded
+    if sharded:  # each site resumes from its own folder when it is complete, else from the one given
+        own = replica_path(path, averager.replica.index)
+        path = own if (own / METADATA).is_file() else path
+    elif averager is not None and averager.anchored:  # each replica resumes from its own file, when it has one
         path = own_replica(path, averager.replica.index, explicit=args.resume != AUTO)
 
     def same_settings(checkpoint: dict[str, Any]) -> None:
@@ -526,7 +533,9 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
             raise CheckpointError(f"{path} was written with {', '.join(differences)}; resume with the same settings")
 
     try:
-        if args.resume == AUTO:
+        if sharded:
+            extra = load_sharded_run(fabric, path, state, same_settings)
+        elif args.resume == AUTO:
             resumed = resume_latest(
                 fabric, path, state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
             )
@@ -561,6 +570,24 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
             f"{path} was written by {written_by} processes and resumes into {fabric.world_size}: every"
             " process starts from the checkpoint's replica and optimizer state (rank 0's, averaged before saving)"
         )
+
+
+def load_sharded_run(
+    fabric: Fabric, path: Path, state: dict[str, Any], validate: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """Load a sharded run's folder into ``state`` (its plain values replaced), check its settings with
+    ``validate``, and check that every site resumes at the same step (one small allreduce over the world)."""
+    values = load_sharded(path, state)
+    validate(values)
+    state.update(values)
+    top, bottom = extremes([state["step"]], fabric.device)
+    if top != bottom:
+        other = bottom[0] if top[0] == state["step"] else top[0]
+        raise CheckpointError(
+            f"{path} is at step {state['step']}, another site's folder at step {other}; resume every site from"
+            " one step (give a folder that every site saved at that step)"
+        )
+    return {}
 
 
 def transfer_progress(fabric: Fabric, done: int, total: int, seconds: float) -> None:

@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from common import (
+    AUTO,
     Checkpointer,
     GradientBytes,
     Parser,
@@ -158,11 +159,8 @@ def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     args.layout = "islands"
     if args.error_feedback:
         p.error("--shard node: --error-feedback's residuals are not kept in sharded checkpoints yet; drop it")
-    if args.checkpoint_rounds or args.resume is not None:
-        p.error(
-            "--shard node: --checkpoint-rounds and --resume are not there yet; the checkpoints it writes load with"
-            " fabric_multimodel.sharded_checkpoints.load_sharded"
-        )
+    if args.checkpoint_rounds or args.resume == AUTO:
+        p.error("--shard node: --checkpoint-rounds and --resume auto are not there yet; --resume FOLDER is")
 
 
 # --- data ------------------------------------------------------------------------------------

@@ -311,7 +311,8 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--period", "soon"], "a whole number of steps or 'auto'"),
         (["--shard", "node", "--period", "4", "--layout", "flat"], "drop --layout flat"),
         (["--shard", "node", "--period", "4", "--comm-dtype", "float8_e4m3fn", "--error-feedback"], "--error-feedback"),
-        (["--shard", "node", "--period", "4", "--checkpoint-rounds"], "load_sharded"),
+        (["--shard", "node", "--period", "4", "--checkpoint-rounds"], "--resume FOLDER is"),
+        (["--shard", "node", "--period", "4", "--resume", "no/such/folder"], "no such folder"),
     ],
 )
 def test_bad_flags_exit_with_one_line(

@@ -490,10 +490,16 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S + 30)
     finally:
         end_the_tool(proc)
+    # The sharded run resumed from its folders (each site its own) up to step 9.
+    resume = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "none", "--timeout", str(TIMEOUT_S)]
+    resume += ["--out", str(base / "lm-resumed-sites"), "--", *lm, "--steps", "9"]
+    resume += ["--resume", str(base / "lm" / "checkpoint")]
+    resumed = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 30)
     lm_run = re.match(r"sites: run (\w+):", stdout)
     gan_errors = tail(*result.logs[0], *result.logs[1])
     return {
         "lm": (proc.returncode, stdout, stderr, lm_run[1] if lm_run else None, base / "lm"),
+        "resumed": (resumed.returncode, resumed.stdout, resumed.stderr, None, base / "lm"),
         "gan": (result.code, result.logs[0][0].read_text(), gan_errors, result.run_id, base / "gan"),
     }
 
@@ -517,6 +523,19 @@ def test_the_examples_train_across_two_sites(examples, name, keys):
         assert all((folder / name / ".metadata").is_file() for name in ("checkpoint", "checkpoint.replica1"))
         assert not list(folder.glob(".checkpoint*"))
     assert run_id and leftovers(run_id) == []
+
+
+def test_a_sharded_run_resumes_from_its_sites_folders(examples):
+    """--resume FOLDER: each site loads its own folder; the schedule and the byte counts go on from step 6 (rounds
+    at 5 and on leaving at 6, then at 8 and on leaving at 9)."""
+    code, stdout, stderr, _, _ = examples["resumed"]
+    assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    final = parse_final_line(stdout, LM_KEYS)
+    first = parse_final_line(examples["lm"][1], LM_KEYS)
+    assert int(final["steps"]) == 9 and int(final["rounds"]) == 4, final
+    assert int(final["comm_bytes"]) > int(first["comm_bytes"]) > 0
+    run_id = re.match(r"sites: run (\w+):", stdout)
+    assert run_id and leftovers(run_id[1]) == []
 
 
 # --- torchrun: elastic agents, a site lost and back ---------------------------------------------------------
