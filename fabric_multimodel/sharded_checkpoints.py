@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -66,15 +65,19 @@ def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     path = Path(path)
     group, rank = _site(path, state)
     saved = _stateful(path, state)
-    temporary = path.parent / f".{path.name}{TEMPORARY_INFIX}{socket.gethostname()}"
+    # One name for every process of the site (a site may span hosts that share the folder).
+    temporary = path.parent / f".{path.name}{TEMPORARY_INFIX}save"
+    previous = path.parent / f".{path.name}{TEMPORARY_INFIX}previous"
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temporary, ignore_errors=True)  # an interrupted save's; nobody writes before the plan below
+        if previous.exists() and not path.exists():  # a save killed between its two renames below
+            previous.rename(path)
+        for stale in (temporary, previous):  # an interrupted save's; nobody writes before the plan below
+            shutil.rmtree(stale, ignore_errors=True)
     dcp.save(saved, checkpoint_id=temporary, process_group=group)
     if rank == 0:
-        previous = path.parent / f".{path.name}{TEMPORARY_INFIX}previous"
         if path.exists():
-            path.rename(previous)
+            path.rename(previous)  # a kill before the next line leaves it whole, under this name
         temporary.rename(path)
         shutil.rmtree(previous, ignore_errors=True)
     dist.barrier(group=group)  # the folder is in place on every process's return
@@ -101,10 +104,10 @@ def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str,
     if not (path / METADATA).is_file():
         raise CheckpointError(f"{path}: not a complete sharded checkpoint (no {METADATA}; was its save interrupted?).")
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    template = _stateful(path, state)
-    for name in template:
+    for name in state:
         if not any(key == name or key.startswith(f"{name}.") for key in saved):
             raise CheckpointError(f"{path}: holds no `{name}`; it holds {sorted({k.split('.')[0] for k in saved})}.")
+    template = _stateful(path, state)
     for name, value in state.items():
         if _is_averager(value):
             _add_outer_state(template[name], saved, name)
