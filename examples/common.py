@@ -28,7 +28,6 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.tensor import DTensor
 
 from fabric_multimodel import Averager, NodeGroups, ddp_of, node_groups
 from fabric_multimodel.checkpoints import (
@@ -42,6 +41,7 @@ from fabric_multimodel.checkpoints import (
 )
 from fabric_multimodel.collectives import extremes
 from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
+from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
 from fabric_multimodel.sharded_checkpoints import METADATA, load_sharded, save_sharded
 
@@ -477,7 +477,7 @@ def state_bytes(model: nn.Module, optimizer: Any, averager: Averager | None) -> 
     tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
     storages: dict[int, int] = {}
     for t in tensors:
-        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storage = local_part(t).untyped_storage()
         storages.setdefault(storage.data_ptr(), storage.nbytes())
     return sum(storages.values()) + (averager.state_bytes if averager is not None else 0)
 

@@ -365,7 +365,7 @@ class Averager:
             print(f"averaging holds {averager.state_bytes / 2**20:.1f} MiB on this rank")
         """
         modules = {t.untyped_storage().data_ptr() for t in self._round.storage.tensors}
-        return held_bytes([self._round, self._node_round], exclude=modules)
+        return _held_bytes([self._round, self._node_round], exclude=modules)
 
     @property
     def anchored(self) -> bool:
@@ -528,14 +528,12 @@ class Averager:
             return None, gaps
         choice = PeriodChoice(*saved)
         period = choice.period
-        if (
-            isinstance(period, bool)
-            or not isinstance(period, int)
-            or period < self.fragments * (self.overlap_steps + 1)
-        ):
-            raise ValueError(f"Averager.load_state_dict: `period_choice` holds an impossible period {period!r}.")
-        if period % self.fragments:
-            raise ValueError(f"Averager.load_state_dict: the chosen period {period} is no multiple of the fragments.")
+        smallest = self.fragments * (self.overlap_steps + 1)
+        if isinstance(period, bool) or not isinstance(period, int) or period < smallest or period % self.fragments:
+            raise ValueError(
+                f"Averager.load_state_dict: `period_choice` holds period {period!r}; with these fragments and overlap"
+                f" it must be a multiple of {self.fragments} of at least {smallest}."
+            )
         return choice, gaps
 
     def restore_global(self) -> None:
@@ -700,7 +698,7 @@ class Averager:
                 ddp._has_rebuilt_buckets = True
 
 
-def held_bytes(roots: Sequence[Any], exclude: Collection[int] = ()) -> int:
+def _held_bytes(roots: Sequence[Any], exclude: Collection[int] = ()) -> int:
     """Bytes of the distinct tensor storages reachable from ``roots`` through this library's objects, their lists
     and dicts and optimizers' state, except the storages at the addresses in ``exclude``. DTensors are the
     modules' FSDP2 parameters, referred to, not held."""

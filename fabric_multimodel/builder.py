@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from fabric_multimodel.arguments import Placement, check_fragments, plain_module
 from fabric_multimodel.collectives import ProcessGroup, group_size
 from fabric_multimodel.config import AveragerConfig
-from fabric_multimodel.flat import FlatStorage, Part
+from fabric_multimodel.flat import FlatStorage, Part, local_part
 from fabric_multimodel.fragments import fragment_indices
 from fabric_multimodel.outer import OuterRound
 from fabric_multimodel.rounds import DeltaRound, Header, MeanRound, Round
@@ -150,13 +150,6 @@ def averaged_tensors(
             n_params = len(seen)
     tensors, names = zip(*seen.values()) if seen else ((), ())
     return list(tensors), list(names), n_params
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """What this rank holds of ``t``: an FSDP2 parameter's shard (a view of FSDP's own storage), else ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local().detach() if isinstance(t, DTensor) else t
 
 
 def _node_of(ddps: Sequence[torch.nn.parallel.DistributedDataParallel]) -> ProcessGroup:

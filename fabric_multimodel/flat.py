@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 
@@ -142,14 +141,7 @@ class FlatStorage:
     def shard(self, index: int, local: torch.Tensor) -> torch.Tensor:
         """``local`` (shaped like ``tensors[index]``) as a DTensor placed like the parameter whose shard that
         tensor is; ``local`` itself for a tensor that is no shard (a buffer, replicated inside the site)."""
-        from torch.distributed.tensor import DTensor
-
-        like = self.shards[index] if self.shards is not None else None
-        if not isinstance(like, DTensor):
-            return local
-        return DTensor.from_local(
-            local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-        )
+        return placed_like(self.shards[index], local) if self.shards is not None else local
 
     def sharded(self, buffers: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each tensor's slice of ``buffers`` (shaped like :attr:`data`), by name, as :meth:`shard` places it:
@@ -167,8 +159,8 @@ class FlatStorage:
         by name); a ValueError naming the first tensor that is missing or shaped otherwise."""
         buffers = self.mirror()
         for name, view in zip(self.names, self.views(buffers, range(len(self.tensors)))):
-            value: Any = saved.get(name)
-            local = value.to_local() if hasattr(value, "to_local") else value
+            value = saved.get(name)
+            local = local_part(value) if value is not None else None
             if not isinstance(local, torch.Tensor) or local.shape != view.shape:
                 found = "nothing" if local is None else f"shape {tuple(getattr(local, 'shape', ()))}"
                 raise ValueError(f"`{name}`: expected this rank's shard of shape {tuple(view.shape)}, found {found}.")
@@ -235,3 +227,23 @@ class Part:
     def of(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This part's ranges of ``buffers`` (shaped like the storage's :attr:`~FlatStorage.data`)."""
         return [buffer[start:end] for buffer, (start, end) in zip(buffers, self.ranges)]
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (of an FSDP2 parameter, a view of FSDP's own
+    storage), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().detach() if isinstance(t, DTensor) else t
+
+
+def placed_like(like: torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor placed like ``like`` (its local shard has ``local``'s shape), or ``local`` itself
+    when ``like`` is no DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )

@@ -16,7 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from fabric_multimodel.collectives import ProcessGroup
-from fabric_multimodel.flat import FlatStorage, Part
+from fabric_multimodel.flat import FlatStorage, Part, local_part
 from fabric_multimodel.rounds import DeltaRound
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], Optimizer]
@@ -108,7 +108,10 @@ class OuterRound(DeltaRound):
             outer = {
                 **outer,
                 "state": {
-                    position[name]: {key: _local(value) for key, value in entry.items()}
+                    position[name]: {
+                        key: local_part(value) if isinstance(value, torch.Tensor) else value
+                        for key, value in entry.items()
+                    }
                     for name, entry in outer["state"].items()
                 },
             }
@@ -119,11 +122,6 @@ class OuterRound(DeltaRound):
         """Whether ``value`` is optimizer state with one element per element of parameter ``k`` (momentum), not a
         scalar (a step count)."""
         return isinstance(value, torch.Tensor) and value.shape == self.params[k].shape
-
-
-def _local(value: Any) -> Any:
-    """A DTensor's local shard; anything else as it is."""
-    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def make_outer_optimizer(factory: Any, params: list[torch.Tensor]) -> Optimizer:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import as_module_list, check_optimizers
-from fabric_multimodel.builder import averaged_tensors, local_part
+from fabric_multimodel.builder import averaged_tensors
 from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
@@ -21,6 +21,7 @@ from fabric_multimodel.collectives import (
     group_size,
     tensors_fingerprint,
 )
+from fabric_multimodel.flat import local_part
 from fabric_multimodel.rounds import NonFiniteError
 
 if TYPE_CHECKING:

@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import plain_module
 from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError
+from fabric_multimodel.flat import local_part, placed_like
 
 #: The file torch.distributed.checkpoint writes last: a folder without it is not a complete checkpoint.
 METADATA = ".metadata"
@@ -198,20 +199,9 @@ def _add_outer_state(template: dict[str, Any], saved: Mapping[str, Any], name: s
             continue
         like = shards.get(tensor)
         if like is not None and tuple(meta.size) == tuple(like.shape):
-            local = like.to_local() if hasattr(like, "to_local") else like
-            entry[field] = _placed_like(like, torch.zeros_like(local, dtype=meta.properties.dtype))
+            entry[field] = placed_like(like, torch.zeros_like(local_part(like), dtype=meta.properties.dtype))
         else:
             entry[field] = torch.zeros(tuple(meta.size), dtype=meta.properties.dtype)
-
-
-def _placed_like(like: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
 
 
 def _is_optimizer(value: Any) -> bool:
