@@ -288,20 +288,21 @@ def profile_call(fn: Callable[[], Any], trace_path: Path | None = None) -> dict[
 
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
         fn()
-    collectives = []
-    for event in prof.events():
-        if event.name.startswith(("gloo:", "nccl:")):
-            shapes = [shape for shape in event.input_shapes if shape]
-            elements = sum(int(torch.Size(shape).numel()) for shape in shapes)
-            dtypes = [dtype for shape, dtype in zip(event.input_shapes, event.input_dtypes or []) if shape]
-            collectives.append((event.name, elements, tuple(dtypes)))
-    # The chrome trace holds every allocation event with its size ("Bytes"); FunctionEvents fold
-    # allocations made inside an op into the op, which loses their order.
+    # Read from the chrome trace: it holds every allocation event with its size ("Bytes") in order, where
+    # FunctionEvents fold an op's allocations into the op, and each op's input dtypes, which FunctionEvents
+    # carry only from torch 2.13 on (the GPU machine's torch 2.11 has no `input_dtypes`).
     with tempfile.TemporaryDirectory() as tmp:
         path = trace_path or Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(Path(path).read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    collectives = []
+    for event in sorted(events, key=lambda e: (e.get("ts", 0), e.get("args", {}).get("Ev Idx", 0))):
+        if event.get("name", "").startswith(("gloo:", "nccl:")) and event.get("ph") == "X":
+            args = event.get("args", {})
+            inputs = [(d, t) for d, t in zip(args.get("Input Dims", []), args.get("Input type", [])) if d]
+            elements = sum(int(torch.Size(dims).numel()) for dims, _ in inputs)
+            collectives.append((event["name"], elements, tuple(t for _, t in inputs)))
     memory = sorted(
         (e["ts"], e.get("args", {}).get("Ev Idx", 0), int(e["args"]["Bytes"]))
         for e in events

@@ -8,7 +8,8 @@ the next one starts), all of them within ``--budget-s``:
 2. ``gloo``: worlds of 2 and 4 processes sharing the one GPU over gloo (``run_world(...,
    accelerator="cuda")``): each collective the library uses, on CUDA tensors, then an
    ``average_models`` round and Averager runs (plain, bf16, DiLoCo, overlapped DiLoCo, fp8, fp4,
-   fragments), each checked for bitwise identical replicas and for ``averager.traffic.bytes`` equal
+   fragments; and FSDP2 inside sites of two ranks with DiLoCo over the shards), each checked for bitwise
+   identical replicas and for ``averager.traffic.bytes`` equal
    to the bytes of the collectives it issued (``all_reduce`` and ``all_to_all_single`` inputs; the
    ``all_gather_into_tensor`` returns a 1/W share of the latter, also checked).
 3. ``nccl``: the same over NCCL, one process per GPU (2 with two GPUs; with one GPU a world of one,
@@ -88,6 +89,14 @@ MODES: dict[str, dict[str, Any]] = {
         "fragments": 2,
         "overlap_steps": 2,
         "error_feedback": True,
+    },
+    # FSDP2 inside sites of two ranks (of one in a world of 2 or less), rounds of the shards across sites
+    "fsdp2-diloco-fp8-fragments2": {
+        "shard": True,
+        "outer": True,
+        "comm_dtype": "float8_e4m3fn",
+        "fragments": 2,
+        "overlap_steps": 1,
     },
 }
 PERIOD, WARMUP_STEPS = 8, 2  # after warm-up, a round every 8 local steps (with 2 fragments, one every 4)
@@ -801,10 +810,10 @@ def round_checked(fabric: Any, options: dict[str, Any] | None, spec: dict[str, A
     except Exception as error:
         entry = {"ok": False, "error": collectives.failure or describe(error), "seconds": time.perf_counter() - start}
         return {**entry, "ops": collectives.ops, "traceback": traceback.format_exc()[-2000:]}
-    ops, world = collectives.ops, fabric.world_size
+    ops = collectives.ops
     sent = ops["all_reduce"][1] + ops["all_to_all_single"][1]
     found["traffic_matches"] = found["traffic_bytes"] == sent
-    found["gather_matches"] = ops["all_gather_into_tensor"][1] * world == ops["all_to_all_single"][1]
+    found["gather_matches"] = ops["all_gather_into_tensor"][1] * found["ranks"] == ops["all_to_all_single"][1]
     problems = [
         text
         for failed, text in (
@@ -849,14 +858,18 @@ def averaged_run(
     import functools
 
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
 
     from fabric_multimodel import Averager, replicas_in_sync, setup_models
 
     torch.manual_seed(0)
-    (model,) = setup_models(fabric, m=mlp(spec["widths"]))
+    site, peers = sites(fabric) if options.get("shard") else (None, None)
+    placement = {"shard": site} if site is not None else {}
+    (model,) = setup_models(fabric, m=mlp(spec["widths"]), **placement)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    kwargs = {k: v for k, v in options.items() if k not in ("outer", "comm_dtype")}
+    kwargs = {k: v for k, v in options.items() if k not in ("outer", "comm_dtype", "shard")}
+    kwargs |= {"process_group": peers} if peers is not None else {}
     if options.get("outer"):
         kwargs["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     if "comm_dtype" in options:
@@ -875,10 +888,24 @@ def averaged_run(
             collectives.counting = True  # leaving the block is a round too
     finally:
         collectives.counting = False
-    report = replicas_in_sync(fabric, model)
+    report = replicas_in_sync(fabric, model, process_group=peers)
     devices = sorted({str(p.device) for p in model.parameters()})
+    ranks = fabric.world_size if peers is None else dist.get_world_size(peers)  # of the averaging group
     found = {"rounds": averager.rounds, "traffic_bytes": averager.traffic.bytes, "in_sync": bool(report)}
+    found |= {"ranks": ranks}
     return {**found, "explain": report.explain(), "parameters_on": devices}
+
+
+def sites(fabric: Any) -> tuple[Any, Any]:
+    """This rank's site (consecutive ranks, two per site in a world of 4 or more, else one) and its peers across
+    sites; every rank makes every group, in one order."""
+    import torch.distributed as dist
+
+    world, rank = fabric.world_size, fabric.global_rank
+    per = 2 if world >= 4 and world % 2 == 0 else 1
+    site_groups = [dist.new_group(list(range(first, first + per))) for first in range(0, world, per)]
+    peer_groups = [dist.new_group(list(range(local, world, per))) for local in range(per)]
+    return site_groups[rank // per], peer_groups[rank % per]
 
 
 def averaged_once(fabric: Any, spec: dict[str, Any], collectives: Collectives) -> dict[str, Any]:
@@ -899,7 +926,8 @@ def averaged_once(fabric: Any, spec: dict[str, Any], collectives: Collectives) -
     finally:
         collectives.counting = False
     report = replicas_in_sync(fabric, model)
-    return {"rounds": 1, "traffic_bytes": traffic.bytes, "in_sync": bool(report), "explain": report.explain()}
+    found = {"rounds": 1, "traffic_bytes": traffic.bytes, "in_sync": bool(report), "explain": report.explain()}
+    return {**found, "ranks": fabric.world_size}
 
 
 # --- the command line ----------------------------------------------------------------------------------

@@ -229,6 +229,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--node-period (two-level averaging) cannot be combined with --fragments")
     if args.period == 0 and (args.layout != "flat" or args.node_period):
         p.error("--layout islands and --node-period need --period N (rounds across nodes)")
+    if (args.layout != "flat" or args.node_period) and math.prod(world_shape(args)) == 1:
+        p.error("--layout islands and --node-period need several processes (--devices N), and this run has one")
     if args.node_period and (
         args.layout != "flat" or args.period % args.node_period or args.node_period == args.period
     ):

@@ -80,6 +80,7 @@ from common import (
     run_folder,
     start_fabric,
     state_bytes,
+    world_shape,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
@@ -157,6 +158,8 @@ def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if args.layout == "flat" and not getattr(args, "layout_chosen", False) or args.node_period:
         p.error("--shard node shards inside each node: drop --layout flat and --node-period")
     args.layout = "islands"
+    if math.prod(world_shape(args)) == 1:
+        p.error("--shard node shards over a node's processes: start several (--devices N), this run has one")
     if args.error_feedback:
         p.error("--shard node: --error-feedback's residuals are not kept in sharded checkpoints yet; drop it")
     if args.checkpoint_rounds or args.resume == AUTO:

@@ -89,6 +89,12 @@ def join_local_world(
     package = fabric_package()
     Fabric, DDPStrategy = package.Fabric, package.strategies.DDPStrategy
     torch.set_num_threads(1)
+    if accelerator != "cpu" and backend != "nccl":
+        # Fabric binds each rank's GPU to the default group (`device_id`), and torch then makes subgroups by
+        # splitting it; gloo claims it can split but has no `perform_nocolor_split` (torch 2.11 to 2.13), so every
+        # `new_group` a rank is not in would raise. A group joined unbound here (Fabric finds it made) keeps
+        # subgroups working: sites, node groups, FSDP2 meshes.
+        torch.distributed.init_process_group(backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
     fabric = Fabric(
         accelerator=accelerator,
         devices=1 if share_device else size,

@@ -310,9 +310,15 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--period", "auto", "--warmup-steps", "1"], "--period auto times the warm-up's steps"),
         (["--period", "soon"], "a whole number of steps or 'auto'"),
         (["--shard", "node", "--period", "4", "--layout", "flat"], "drop --layout flat"),
-        (["--shard", "node", "--period", "4", "--comm-dtype", "float8_e4m3fn", "--error-feedback"], "--error-feedback"),
-        (["--shard", "node", "--period", "4", "--checkpoint-rounds"], "--resume FOLDER is"),
-        (["--shard", "node", "--period", "4", "--resume", "no/such/folder"], "no such folder"),
+        (["--shard", "node", "--period", "4"], "start several (--devices N), this run has one"),
+        (["--layout", "islands", "--period", "4"], "need several processes (--devices N)"),
+        (["--period", "4", "--node-period", "2"], "need several processes (--devices N)"),
+        (
+            ["--shard", "node", "--period", "4", "--devices", "2", "--comm-dtype", "float8_e4m3fn", "--error-feedback"],
+            "--error-feedback",
+        ),
+        (["--shard", "node", "--period", "4", "--devices", "2", "--checkpoint-rounds"], "--resume FOLDER is"),
+        (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "no/such/folder"], "no such folder"),
     ],
 )
 def test_bad_flags_exit_with_one_line(

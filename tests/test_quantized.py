@@ -101,6 +101,10 @@ def test_fp8_decoding_is_torchs_cast_of_every_byte(device, code):
         assert nan_codes.sum() == 2
         assert torch.equal(values[nan_codes].abs(), torch.tensor([480.0, 480.0], device=device))
         values, cast = values[~nan_codes], cast[~nan_codes]
+    else:  # e5m2's six NaN codes decode to NaN; which NaN (sign, payload) a cast gives differs by device
+        nan_codes = cast.isnan()
+        assert nan_codes.sum() == 6 and values[nan_codes].isnan().all()
+        values, cast = values[~nan_codes], cast[~nan_codes]
     assert torch.equal(bits(values), bits(cast))
 
 
