@@ -74,7 +74,7 @@ RING = Task(
     common.REPO / "examples" / "gan_fabric.py",
     keys=(
         "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean",
-        "comm_bytes", "comm_bytes_per_iter", "rounds",
+        "comm_bytes", "comm_bytes_per_iter", "rounds", "state_bytes",
     ),
     quality=("modes_captured", "high_quality"),
     steps=3000,

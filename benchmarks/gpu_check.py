@@ -66,7 +66,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results"
 TEST_FILES = ("tests/test_quantized.py", "tests/test_flat.py")
 GAN_KEYS = [
     "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean",
-    "comm_bytes", "comm_bytes_per_iter", "rounds",
+    "comm_bytes", "comm_bytes_per_iter", "rounds", "state_bytes",
 ]  # fmt: skip
 LM_KEYS = [
     "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",

@@ -455,11 +455,11 @@ def final_line(
     iter_seconds: Sequence[float],
     comm_bytes: int,
     rounds: int,
-    state_bytes: int | None = None,
+    state_bytes: int,
 ) -> str:
     """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
     the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``); ``state_bytes`` (see
-    :func:`state_bytes`) ends it when given."""
+    :func:`state_bytes`) ends it."""
     # The median is a typical local step; the mean also carries the averaging rounds' share.
     iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
     iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
@@ -467,16 +467,18 @@ def final_line(
         f"final: steps={steps} {quality} wall_s={wall_s:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
         f" comm_bytes={comm_bytes} comm_bytes_per_iter={comm_bytes / steps:.1f} rounds={rounds}"
-        + (f" state_bytes={state_bytes}" if state_bytes is not None else "")
+        f" state_bytes={state_bytes}"
     )
 
 
-def state_bytes(model: nn.Module, optimizer: Any, averager: Averager | None) -> int:
+def state_bytes(models: Sequence[nn.Module], optimizers: Sequence[Any], averager: Averager | None) -> int:
     """This rank's bytes of parameters, gradients, optimizer state and the Averager's own tensors (anchors, outer
     optimizer state, snapshots, send buffers): of an FSDP2 model, its shards. Each storage counts once; what DDP
     and FSDP2 allocate for their collectives (gradient buckets, gathered parameters) is not counted."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    parameters = [p for model in models for p in model.parameters()]
+    tensors = [*parameters, *(p.grad for p in parameters if p.grad is not None)]
+    for optimizer in optimizers:
+        tensors += [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
     storages: dict[int, int] = {}
     for t in tensors:
         storage = local_part(t).untyped_storage()

@@ -59,6 +59,7 @@ from common import (
     run_config,
     run_folder,
     start_fabric,
+    state_bytes,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
@@ -236,6 +237,7 @@ def train(args: argparse.Namespace) -> int | None:
     progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero)
     iter_seconds: list[float] = []
     checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
+    memory = 0  # state_bytes, measured at the last step
     wall = time.perf_counter()
     with averager or nullcontext():
         for step in range(state["step"] + 1, args.steps + 1):
@@ -249,11 +251,15 @@ def train(args: argparse.Namespace) -> int | None:
             )
             fabric.backward(d_loss)
             opt_d.step()
+            if step == args.steps:  # the state at its largest: D's gradients, then (below) G's, before zero_grad
+                memory = state_bytes([gen, disc], [opt_g, opt_d], averager)
             opt_d.zero_grad()
             with frozen(disc):  # D is used, not trained: no gradients for it, no allreduce of them
                 g_loss = F.binary_cross_entropy_with_logits(disc(fake), ones)
             fabric.backward(g_loss)
             opt_g.step()
+            if step == args.steps:
+                memory = max(memory, state_bytes([gen, disc], [opt_g, opt_d], averager))
             opt_g.zero_grad()
             if averager is not None:
                 averager.step()
@@ -305,7 +311,15 @@ def train(args: argparse.Namespace) -> int | None:
         print(round_checkpoints, flush=True)
     rounds = averager.rounds if averager is not None else 0
     print(
-        final_line(args.steps, result, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm, rounds=rounds),
+        final_line(
+            args.steps,
+            result,
+            wall_s=wall,
+            iter_seconds=iter_seconds,
+            comm_bytes=comm,
+            rounds=rounds,
+            state_bytes=memory,
+        ),
         flush=True,
     )
     return None

@@ -499,7 +499,7 @@ def train(args: argparse.Namespace) -> int | None:
                 fabric.clip_gradients(model, optimizer, max_norm=args.clip)
             optimizer.step()
             if step == args.steps:  # the persistent state at its largest: before zero_grad frees the gradients
-                memory = state_bytes(model, optimizer, averager)
+                memory = state_bytes([model], [optimizer], averager)
             optimizer.zero_grad()
             if averager is not None:
                 averager.step()

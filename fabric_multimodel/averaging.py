@@ -357,8 +357,9 @@ class Averager:
     @property
     def state_bytes(self) -> int:
         """Bytes of the tensors this Averager keeps beside the modules' own: anchors, the outer optimizer's
-        state, snapshots, send buffers, quantization scratch and error-feedback residuals, and with FSDP2
-        shards its copy of them. What averaging adds to this rank's memory; no collective.
+        state, snapshots, send buffers, quantization scratch and error-feedback residuals (with FSDP2 shards,
+        the copy of them that rounds work on holds memory only while they run). What averaging adds to this
+        rank's memory between rounds; no collective.
 
         Example::
 

@@ -76,7 +76,7 @@ def build_rounds(
     tensors = [local_part(t) for t in whole]
     names = [names[i] for i in placed] + names[n_params:]
     largest = max(group_size(process_group), group_size(node_group) if config.node_period else 1)
-    # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy, synced around each use.
+    # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy that exists only while they run.
     # The shards' parameters come along, so that the rounds' state (anchors) can be saved placed like them.
     shards = whole if placement.sharded else None
     storage = FlatStorage(tensors, names, spare=Header.SLOTS * largest, rehome=not placement.sharded, shards=shards)
@@ -88,10 +88,12 @@ def build_rounds(
     node_round = None
     if config.node_period:
         node_round = MeanRound(storage, node_group, overlap=False, check_finite=config.check_finite)
+    averaging_round = _round(config, storage, n_params, process_group, parts, order, node)
+    storage.release()  # a copy of FSDP2's shards is needed only while rounds run
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
     settings = (config.agreement(), len(optimizers), placement.islands, ends)
     return Built(
-        _round(config, storage, n_params, process_group, parts, order, node),
+        averaging_round,
         node_round,
         len(groups),
         period,

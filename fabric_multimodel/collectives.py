@@ -257,5 +257,7 @@ def tensors_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         t = t.detach()
         digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        # numpy() of a copy: numpy() of the tensor itself would leave its storage unresizable for good (FlatStorage
+        # frees the memory of its copy of FSDP2's shards by resizing it)
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().clone().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") >> 1

@@ -23,7 +23,8 @@ class FlatStorage:
 
     ``rehome=False`` leaves the tensors where they are, for storage someone else owns (FSDP2's
     local shards are views of its own flat buffer, which its all-gathers read): the buffers are then
-    a copy, brought up to date and written back around each use by :meth:`synced`. ``shards`` names,
+    a copy that exists only inside :meth:`synced`, which fills it from the tensors, writes it back to
+    them and frees its memory (the buffers and their views stay, with no storage). ``shards`` names,
     per tensor, the FSDP2 parameter (a DTensor) whose local shard it is (None for a tensor that is
     not a shard), so that state kept in the storage's layout (an anchor) can be handed out as
     DTensors placed like the parameters (:meth:`sharded`), which ``torch.distributed.checkpoint``
@@ -84,6 +85,15 @@ class FlatStorage:
                     offset += t.numel()
                 self.buffers.append(flat)
                 self.sizes.append(size)
+        self._depth = 0  # synced() blocks entered and not left
+        self._nbytes = [flat.untyped_storage().nbytes() for flat in self.buffers]
+
+    def release(self) -> None:
+        """Free the memory of a copy (``rehome=False``) until the next :meth:`synced` block; call it once the
+        views that rounds keep of the buffers are made (a view made later, outside the block, raises)."""
+        if not self.rehome and not self._depth:
+            for flat in self.buffers:
+                flat.untyped_storage().resize_(0)
 
     @contextmanager
     def synced(self) -> Iterator[None]:
@@ -95,18 +105,27 @@ class FlatStorage:
             with storage.synced():
                 torch.distributed.all_reduce(storage.buffers[0])
         """
-        if self.rehome:
-            yield
+        if self.rehome or self._depth:  # a block inside another: the outer one fills and writes back
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
             return
         with torch.no_grad():
+            for flat, nbytes in zip(self.buffers, self._nbytes):
+                flat.untyped_storage().resize_(nbytes)
             for copy, t in zip(self._copies, self.tensors):
                 copy.copy_(t)
+        self._depth = 1
         try:
             yield
         finally:
+            self._depth = 0
             with torch.no_grad():
                 for copy, t in zip(self._copies, self.tensors):
                     t.copy_(copy)
+            self.release()
 
     @property
     def data(self) -> list[torch.Tensor]:
@@ -120,7 +139,7 @@ class FlatStorage:
 
     def mirror(self) -> list[torch.Tensor]:
         """New zeroed buffers shaped like :attr:`data` (an anchor or a snapshot of every tensor)."""
-        return [torch.zeros_like(flat) for flat in self.data]
+        return [torch.zeros(size, dtype=flat.dtype, device=flat.device) for flat, size in zip(self.buffers, self.sizes)]
 
     def views(self, buffers: Sequence[torch.Tensor], indices: Sequence[int]) -> list[torch.Tensor]:
         """Views of ``buffers`` (shaped like :attr:`data`) in the place and shape of ``tensors[i]`` for each index."""

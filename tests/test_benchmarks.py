@@ -230,9 +230,11 @@ def test_gpu_check_dry_run_reports_every_step_ok(tmp_path):
         assert world["size"] == ranks and world["placement_ok"]
         assert all(probe["ok"] for probe in world["probes"]) and len(world["probes"]) == 10
         rounds = {mode["name"]: mode for mode in world["modes"]}
-        assert len(rounds) == 9 and all(r["ok"] and r["in_sync"] and r["traffic_matches"] for r in rounds.values())
+        assert len(rounds) == 10 and all(r["ok"] and r["in_sync"] and r["traffic_matches"] for r in rounds.values())
         quantized = rounds["fp4-diloco-fragments2-ef"]["ops"]
         assert (quantized["all_reduce"][0] == 0) and (quantized["all_to_all_single"][0] > 0) == (ranks > 1)
+        sharded = rounds["fsdp2-diloco-fp8-fragments2"]  # FSDP2 over sites of one rank in a world this small
+        assert sharded["rounds"] > 0 and sharded["ranks"] == ranks
     # The gloo world shares one device: every rank is a node of one device to Fabric.
     assert "rank 1 on cpu (gloo; Fabric's local_rank 0, node_rank 1)" in report.read_text()
     assert raw["gan"]["raw"]["steps"] == raw["lm"]["raw"]["steps"] == "12"

@@ -30,7 +30,7 @@ FINAL = re.compile(
     r"^final: steps=(?P<steps>\d+) modes_captured=(?P<modes>\d+)/8 high_quality=(?P<hq>\d\.\d{3})"
     r" wall_s=(?P<wall>\d+\.\d) iter_ms_median=(?P<iter_ms>\d+\.\d{2})"
     r" iter_ms_mean=(?P<iter_ms_mean>\d+\.\d{2}) comm_bytes=(?P<comm>\d+)"
-    r" comm_bytes_per_iter=(?P<per_iter>\d+\.\d) rounds=(?P<rounds>\d+)$"
+    r" comm_bytes_per_iter=(?P<per_iter>\d+\.\d) rounds=(?P<rounds>\d+) state_bytes=(?P<state_bytes>\d+)$"
 )
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
@@ -147,6 +147,11 @@ def test_fabric_run_synchronous(sync_run: Run) -> None:
     checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
     assert final["comm"] == 30 * model_bytes(checkpoint) > 0
     assert final["per_iter"] == pytest.approx(final["comm"] / 30, abs=0.05)
+    # Parameters, Adam's two moments and its step counters (fp32), and the gradients of the larger model: the
+    # state peaks after D's step (D's gradients) or G's (G's); the other's were freed by zero_grad.
+    sizes = [sum(t.numel() * t.element_size() for t in checkpoint[name].values()) for name in ("gen", "disc")]
+    counters = 4 * sum(len(checkpoint[name]) for name in ("gen", "disc"))  # the ring GAN has no buffers
+    assert final["state_bytes"] == 3 * sum(sizes) + max(sizes) + counters
 
 
 def test_fabric_run_writes_checkpoint_metrics_and_picture(sync_run: Run) -> None:
@@ -427,7 +432,7 @@ def test_digits(tmp_path: Path) -> None:
     last = proc.stdout.strip().splitlines()[-1]
     assert re.match(
         r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ iter_ms_mean=\S+"
-        r" comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0$",
+        r" comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0 state_bytes=\d+$",
         last,
     ), last
     assert (tmp_path / "digits.png").is_file() == HAS_MATPLOTLIB

@@ -62,7 +62,7 @@ LM_KEYS = [
 ]  # fmt: skip
 GAN_KEYS = [
     "steps", "modes_captured", "high_quality", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes",
-    "comm_bytes_per_iter", "rounds",
+    "comm_bytes_per_iter", "rounds", "state_bytes",
 ]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
