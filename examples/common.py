@@ -128,6 +128,13 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     )
     g.add_argument("--node-period", type=int, default=0, help="two-level: also average inside the node every N steps")
     g.add_argument(
+        "--pace",
+        choices=["steps", "speed"],
+        default="steps",
+        help="speed: the fastest site runs --period local steps per round, a slower one fewer, in proportion to its"
+        " speed measured in warm-up; --steps counts the fastest site's steps, and rounds weight sites by theirs",
+    )
+    g.add_argument(
         "--fragments", type=int, default=1, help="streaming: each round sends one of F fragments, every period/F steps"
     )
     g.add_argument(
@@ -231,6 +238,12 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("--layout islands and --node-period need --period N (rounds across nodes)")
     if (args.layout != "flat" or args.node_period) and math.prod(world_shape(args)) == 1:
         p.error("--layout islands and --node-period need several processes (--devices N), and this run has one")
+    paced_round = args.fragments == 1 and not args.overlap_steps and args.comm_dtype in ("float32", "bfloat16")
+    if args.pace == "speed" and (not args.period or auto or args.warmup_steps < 2 or not paced_round):
+        p.error(
+            "--pace speed needs --period N (a number), --warmup-steps 2 or more, and no --fragments, --overlap-steps"
+            " or low-bit --comm-dtype yet"
+        )
     if args.node_period and (
         args.layout != "flat" or args.period % args.node_period or args.node_period == args.period
     ):
@@ -371,6 +384,8 @@ def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Se
         options["error_feedback"] = True
     if args.fragments > 1:
         options["fragments"] = args.fragments
+    if args.pace != "steps":
+        options["pace"] = args.pace
     if args.mixing not in (None, "progress"):
         options["mixing"] = args.mixing
     if args.outer == "none" and not args.overlap_steps and args.fragments == 1:
@@ -447,6 +462,25 @@ def link_line(averager: Averager, end_seconds: float, end_bytes: int) -> str:
     return f"link: start_bytes={averager.start_traffic.bytes} end_round_bytes={end_bytes} end_round_s={end_seconds:.2f}"
 
 
+def clock(step: int, averager: Averager | None) -> int:
+    """When the ranks act together (a stop, a periodic checkpoint): the step, or with ``--pace speed`` past warm-up,
+    where the sites make different steps but the same rounds, the fastest site's step at the last round."""
+    if averager is None or averager.pace is None:
+        return step
+    return averager.warmup_steps + max(averager.pace.periods) * averager.rounds
+
+
+def warmup_ended(fabric: Fabric, averager: Averager, args: argparse.Namespace, total: int, progress: Progress) -> None:
+    """Right after the warm-up's last ``step()``: print what ``--period auto`` chose and what ``--pace speed``
+    agreed; with pace, this site's loop ends at its own last step (``args.steps``: a slower site makes fewer
+    of the ``total`` steps)."""
+    for agreed in (averager.period_choice, averager.pace):
+        if agreed is not None:
+            fabric.print(agreed)
+    args.steps = averager.local_steps(total)
+    progress.set_total(args.steps)
+
+
 def final_line(
     steps: int,
     quality: str,
@@ -455,11 +489,11 @@ def final_line(
     iter_seconds: Sequence[float],
     comm_bytes: int,
     rounds: int,
-    state_bytes: int,
+    state_bytes: int | None = None,
 ) -> str:
     """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
     the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``); ``state_bytes`` (see
-    :func:`state_bytes`) ends it."""
+    :func:`state_bytes`) ends it when given (the Fabric examples give it; the Trainer example does not)."""
     # The median is a typical local step; the mean also carries the averaging rounds' share.
     iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
     iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
@@ -467,7 +501,7 @@ def final_line(
         f"final: steps={steps} {quality} wall_s={wall_s:.1f}"
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
         f" comm_bytes={comm_bytes} comm_bytes_per_iter={comm_bytes / steps:.1f} rounds={rounds}"
-        f" state_bytes={state_bytes}"
+        + (f" state_bytes={state_bytes}" if state_bytes is not None else "")
     )
 
 
@@ -503,6 +537,7 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         "fragments",
         "mixing",
         "error_feedback",
+        "pace",
     )
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
 
@@ -636,6 +671,7 @@ def fail(fabric: Fabric, message: str) -> NoReturn:
 class StopSignal:
     """SIGTERM asks for a checkpoint and a clean stop; :meth:`requested` makes every rank agree on when.
 
+    Its clock is the step (:func:`clock`: with ``--pace speed``, the fastest site's step at the last round).
     Every ``EVERY`` steps each rank launches a vote (one small allreduce of its flag) and reads the vote
     launched ``LAG`` steps earlier: every rank stops at the same step, at most ``EVERY + LAG`` steps after the
     signal (before: the next check after the next ``--log-every`` steps, 10 to 15 s on a 2000-step run). The
@@ -649,6 +685,7 @@ class StopSignal:
         self.received = False
         # The votes in flight, oldest first: (the step it was launched at, the flag, its allreduce).
         self._votes: list[tuple[int, torch.Tensor, Any]] = []
+        self._next_vote = 0
         # gloo whatever the training's backend: the flags are a few bytes on the CPU, read on the CPU.
         self._group = dist.new_group(backend="gloo") if fabric.world_size > 1 else None
         if threading.current_thread() is threading.main_thread():
@@ -657,14 +694,16 @@ class StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = True
 
-    def requested(self, step: int) -> bool:
-        """Call it once per step on every rank; True (on every rank at the same step) once any rank got SIGTERM."""
+    def requested(self, now: int) -> bool:
+        """Call it once per step on every rank with the :func:`clock`; True (on every rank at the same clock)
+        once any rank got SIGTERM."""
         if self._group is None:
             return self.received
-        verdict = bool(self._votes) and self._votes[0][0] + self.LAG <= step and self._count() > 0
-        if not verdict and step % self.EVERY == 0:
+        verdict = bool(self._votes) and self._votes[0][0] + self.LAG <= now and self._count() > 0
+        if not verdict and now >= self._next_vote:
+            self._next_vote = now + self.EVERY
             flag = torch.tensor([int(self.received)])
-            self._votes.append((step, flag, dist.all_reduce(flag, group=self._group, async_op=True)))
+            self._votes.append((now, flag, dist.all_reduce(flag, group=self._group, async_op=True)))
         return verdict
 
     def close(self) -> None:
@@ -744,6 +783,13 @@ class Progress:
             return
         shown_text = " ".join(f"{k}={v}" for k, v in shown.items())
         print(f"step {step}/{self.total} {shown_text} {rate:,.0f} {self.unit}/s", flush=True)
+
+    def set_total(self, total: int) -> None:
+        """A new last step (a paced site's, known at the end of warm-up)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:

@@ -50,6 +50,7 @@ from common import (
     averager_options,
     averaging_line,
     check_arguments,
+    clock,
     comm_line,
     final_line,
     layout,
@@ -60,6 +61,7 @@ from common import (
     run_folder,
     start_fabric,
     state_bytes,
+    warmup_ended,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
@@ -239,8 +241,13 @@ def train(args: argparse.Namespace) -> int | None:
     checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
     memory = 0  # state_bytes, measured at the last step
     wall = time.perf_counter()
+    total = args.steps  # with --pace speed, the fastest site's steps: a slower site's loop ends sooner
+    if averager is not None and state["step"] >= args.warmup_steps:  # resumed past warm-up: the pace is known
+        warmup_ended(fabric, averager, args, total, progress)
+    step = now = state["step"]  # now: the clock of stops and checkpoints
     with averager or nullcontext():
-        for step in range(state["step"] + 1, args.steps + 1):
+        while step < args.steps:
+            step += 1
             tick = time.perf_counter()
             set_learning_rate([opt_g, opt_d], learning_rate(args, step))
             real = sample_real(args.batch_size, data_gen).to(fabric.device)
@@ -263,8 +270,8 @@ def train(args: argparse.Namespace) -> int | None:
             opt_g.zero_grad()
             if averager is not None:
                 averager.step()
-                if step == args.warmup_steps and averager.period_choice is not None:
-                    fabric.print(averager.period_choice)  # --period auto: what it chose, and from what
+                if step == args.warmup_steps:
+                    warmup_ended(fabric, averager, args, total, progress)
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
                     state.update(step=step, grad_bytes=grad_bytes.bytes)
                     checkpointer.after_round(state | {"world_size": fabric.world_size})
@@ -277,13 +284,18 @@ def train(args: argparse.Namespace) -> int | None:
                 if args.dataset == "ring" and fabric.is_global_zero:  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
-            if step < args.steps and stop.requested(step):
+            before, now = now, clock(step, averager)
+            # A paced site's last step can be another's round, after which that one acts: all act alike there.
+            final = step == args.steps and (averager is None or averager.pace is None)
+            if not final and stop.requested(now):
                 path = save(step)
                 checkpointer.close()  # the write may be in the background: it must land before the exit
                 fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
                 return 143
-            checkpoint_due |= bool(args.checkpoint_every) and step % args.checkpoint_every == 0
-            if checkpoint_due and step < args.steps and not (averager is not None and averager.pending):
+            checkpoint_due |= (  # when the clock passes a multiple of --checkpoint-every
+                bool(args.checkpoint_every) and now // args.checkpoint_every > before // args.checkpoint_every
+            )
+            if checkpoint_due and not final and not (averager is not None and averager.pending):
                 save(step)
                 checkpoint_due = False
     # Leaving the Averager's block averaged once more: all replicas are identical now.

@@ -34,6 +34,7 @@ from fabric_multimodel.collectives import (
 )
 from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.models import Models
+from fabric_multimodel.pacing import Pace, gather_step_times, paced, paced_steps
 from fabric_multimodel.replicas import HasDevice, Modules, optimizer_state
 from fabric_multimodel.rounds import AveragingError, Header, Stamp
 from fabric_multimodel.schedule import Event, Schedule
@@ -220,7 +221,13 @@ class Averager:
         self.fragments = built.fragments
         #: With ``period="auto"``: what was chosen at the end of warm-up, and from what (None until then).
         self.period_choice: PeriodChoice | None = None
-        self._step_gaps: list[float] = []  # period="auto": seconds between the warm-up's step() calls
+        #: With ``pace="speed"``: every site's local steps per round and weight, agreed at the end of warm-up.
+        self.pace: Pace | None = None
+        # period="auto" and pace="speed" time the warm-up: seconds between its step() calls
+        self._times_warmup = config.period == "auto" or config.pace == "speed"
+        # pace="speed": the fastest site's local steps per round ("auto" is refused with pace)
+        self._fastest_period = config.period if isinstance(config.period, int) else 0
+        self._step_gaps: list[float] = []
         self._last_step: float | None = None
         self._site = placement.site
         self._set_period(built.period)
@@ -246,15 +253,19 @@ class Averager:
             phases=self._round.phases,
         )
 
+    def _warmup_step_s(self, option: str) -> float:
+        """The median seconds between the warm-up's step() calls on this rank."""
+        if not self._step_gaps:  # every rank resumed from the same counts: all raise here, before any collective
+            raise RuntimeError(
+                f"Averager: {option} timed no warm-up step (the run resumed at the warm-up's last step); resume"
+                " from an earlier checkpoint."
+            )
+        return statistics.median(self._step_gaps)
+
     def _choose_period(self) -> None:
         """period="auto", at the end of warm-up: time a round's payload across ``process_group`` and choose from
         it and the warm-up's steps, with the slowest rank's figures on every rank (see ``auto_period``)."""
-        if not self._step_gaps:  # every rank resumed from the same counts: all raise here, before any collective
-            raise RuntimeError(
-                "Averager: period='auto' timed no warm-up step (the run resumed at the warm-up's last step); resume"
-                " from an earlier checkpoint, or give the period as a number."
-            )
-        step_s = statistics.median(self._step_gaps)
+        step_s = self._warmup_step_s("period='auto'")
         sent = self._round.traffic.bytes
         round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
         groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
@@ -262,6 +273,38 @@ class Averager:
         period = choose_period(max(step_s, 1e-6), round_s, self.fragments, self.overlap_steps)
         self.period_choice = PeriodChoice(period, step_s, round_s, sent)
         self._set_period(period)
+
+    def _site_step_times(self) -> list[float]:
+        """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
+        The mean, not the median: a site held back in bursts (a CPU quota, a shared GPU) is as slow as its mean."""
+        self._warmup_step_s("pace='speed'")
+        step_s = statistics.fmean(self._step_gaps)
+        return gather_step_times(step_s, self._device, self.process_group, self._site)
+
+    def _set_pace(self, pace: Pace) -> None:
+        """Run this site's local steps per round, and weight its rounds by them."""
+        mine = group_rank(self.process_group)
+        self.pace = pace
+        # periods[mine] * W / sum(periods): exactly 1.0 when every site runs the same steps
+        self._round.scale = pace.periods[mine] * len(pace.periods) / sum(pace.periods)
+        self._set_period(pace.periods[mine])
+
+    def local_steps(self, total: int) -> int:
+        """How many ``step()`` calls this rank makes in a run of ``total`` steps of the fastest site: ``total``
+        itself, except with ``pace="speed"`` after warm-up, where a slower site makes fewer, so that every site
+        takes part in the same rounds (the last one when leaving the block included). No collective.
+
+        Example::
+
+            last = args.steps
+            while step < last:
+                ...
+                averager.step()
+                last = averager.local_steps(args.steps)  # changes once, at the end of warm-up
+        """
+        if self.pace is None:
+            return total
+        return paced_steps(total, self.warmup_steps, self.period, self._fastest_period)
 
     def _reset_counters(self) -> None:
         #: ``step()`` calls so far.
@@ -417,7 +460,7 @@ class Averager:
         if self._ddp_settings is None:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
-        if self.config.period == "auto" and self.steps <= self.warmup_steps:
+        if self._times_warmup and self.steps <= self.warmup_steps:
             now = time.perf_counter()
             if self._last_step is not None:
                 self._step_gaps.append(now - self._last_step)
@@ -473,8 +516,11 @@ class Averager:
         }
         if self.fragments > 1:
             state["fragments_synced_at"] = list(self._synced_at)
-        if self.config.period == "auto":  # what was chosen, or the warm-up's step times measured so far
+        if self.config.period == "auto":  # what was chosen
             state["period_choice"] = list(self.period_choice) if self.period_choice else None
+        if self.config.pace == "speed":  # what the sites agreed
+            state["pace"] = [list(values) for values in self.pace] if self.pace else None
+        if self._times_warmup:  # the warm-up's step times measured so far
             state["warmup_step_s"] = list(self._step_gaps)
         state.update(self._round.state_dict())
         if self.anchored:
@@ -496,15 +542,20 @@ class Averager:
         """
         values, synced_at, saved_by = _checked_counters(state_dict, self._round.state_keys, self.fragments)
         choice, gaps = self._checked_choice(state_dict, values["steps"])
+        pace = self._checked_pace(state_dict, values["steps"])
         try:
             self._round.load_state_dict(state_dict)
         except ValueError as error:
             raise ValueError(f"Averager.load_state_dict: {error}") from None
         self.steps, self.rounds, self._synced_at = values["steps"], values["rounds"], synced_at
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
+        if self._times_warmup:
+            self._step_gaps, self._last_step = gaps, None
         if self.config.period == "auto":
-            self.period_choice, self._step_gaps, self._last_step = choice, gaps, None
+            self.period_choice = choice
             self._set_period(choice.period if choice else self.period)
+        if pace is not None:
+            self._set_pace(pace)
         if saved_by not in (None, self.replica.index) and self.local:
             # Another replica's checkpoint (this one has none at that step, or the world changed): start
             # from the global model, not from a copy of that replica's local progress.
@@ -515,14 +566,17 @@ class Averager:
 
     def _checked_choice(self, state: dict[str, Any], steps: int) -> tuple[PeriodChoice | None, list[float]]:
         """period="auto": the state's chosen period (None: not chosen yet) and warm-up step times, checked."""
-        if self.config.period != "auto":
+        if not self._times_warmup:
             return None, []
-        saved, gaps = state.get("period_choice"), state.get("warmup_step_s")
+        gaps = state.get("warmup_step_s")
         if not isinstance(gaps, list) or not all(isinstance(g, float) and g >= 0 for g in gaps):
             raise ValueError(
-                "Averager.load_state_dict: period='auto' needs the state's `warmup_step_s` (a list of seconds);"
-                " it was saved by an Averager with a fixed period: give that period instead of 'auto'."
+                "Averager.load_state_dict: period='auto' and pace='speed' need the state's `warmup_step_s` (a list"
+                " of seconds); it was saved by an Averager without them: give the period as a number, or drop pace."
             )
+        if self.config.period != "auto":
+            return None, gaps
+        saved = state.get("period_choice")
         if saved is None:
             if steps >= self.warmup_steps:
                 raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no chosen period.")
@@ -536,6 +590,24 @@ class Averager:
                 f" it must be a multiple of {self.fragments} of at least {smallest}."
             )
         return choice, gaps
+
+    def _checked_pace(self, state: dict[str, Any], steps: int) -> Pace | None:
+        """pace="speed": the state's agreed pace (None: not agreed yet), checked against this group."""
+        if self.config.pace != "speed" or state.get("pace") is None:
+            if self.config.pace == "speed" and steps > self.warmup_steps:
+                raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no pace.")
+            return None
+        try:
+            pace = Pace(*(tuple(values) for values in state["pace"]))
+            paced(self._fastest_period, pace.step_s)  # checks the step times
+        except (TypeError, ValueError):
+            raise ValueError(f"Averager.load_state_dict: `pace` is not a saved pace: {state['pace']!r}.") from None
+        if pace != paced(self._fastest_period, pace.step_s) or len(pace.periods) != group_size(self.process_group):
+            raise ValueError(
+                f"Averager.load_state_dict: `pace` was agreed by {len(pace.periods)} sites with another period;"
+                f" this Averager averages over {group_size(self.process_group)} with period {self._fastest_period}."
+            )
+        return pace
 
     def restore_global(self) -> None:
         """Set the averaged tensors to the global model, their anchors; no collective.
@@ -575,6 +647,8 @@ class Averager:
     def _start_local_phase(self, event: Event) -> bool:
         if self.config.period == "auto" and self.period_choice is None:
             self._choose_period()
+        if self.config.pace == "speed" and self.pace is None:
+            self._set_pace(paced(self._fastest_period, self._site_step_times()))
         self._apply_phase()
         if self.islands:  # the nodes trained apart: their first rounds are plain means, and set the anchors
             self._round.release_anchors()
@@ -602,8 +676,9 @@ class Averager:
         if warming_up and not self.islands:
             # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
             self._round.anchor_parameters(self._round.parts[fragment])
+        count = self.rounds if self.pace is not None else self.steps  # paced sites differ in steps, not rounds
         stamp = Stamp(
-            self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at[fragment]
+            count % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at[fragment]
         )
         self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up, part=fragment)
         self.traffic += self._round.traffic
@@ -657,6 +732,12 @@ class Averager:
         ranks = group_ranks(group)
         mine = stamps[_position(group)]
         for rank, stamp in zip(ranks, stamps):
+            if stamp.steps != mine.steps and self.pace is not None and group is self.process_group:
+                raise AveragingError(
+                    f"{label}: this rank is at round {self.rounds + 1} but rank {rank} at round"
+                    f" {_unwrap_steps(stamp.steps, self.rounds) + 1}; with pace='speed', make"
+                    " averager.local_steps(total) step() calls on each rank."
+                )
             if stamp.steps != mine.steps:
                 raise AveragingError(
                     f"{label}: averager.step() was called {self.steps} times on this rank but"

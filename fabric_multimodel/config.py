@@ -49,6 +49,9 @@ class AveragerConfig:
         mixing: None to keep the local progress in overlapped merges; ``a`` in [0, 1] to mix.
         check_finite: raise on every rank when a round's payload holds NaN or Inf.
         node_period: two-level averaging: a round inside the node every ``node_period`` steps.
+        pace: ``"steps"``: every site runs ``period`` local steps per round; ``"speed"``: the fastest site runs
+            ``period`` and the others in proportion to their speed, measured in warm-up, and a round weights
+            each site by its steps (:mod:`fabric_multimodel.pacing`).
 
     Example::
 
@@ -67,6 +70,7 @@ class AveragerConfig:
     mixing: float | None = None
     check_finite: bool = True
     node_period: int | None = None
+    pace: str = "steps"
 
     def __post_init__(self) -> None:
         _check(self)
@@ -192,6 +196,21 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
                 f"{caller}: two-level averaging (`node_period`) is plain, blocking averaging; drop outer_optimizer,"
                 " comm_dtype, overlap_steps and fragments, or use the islands layout (DDP inside the node) for those."
             )
+
+    if config.pace not in ("steps", "speed"):
+        raise ValueError(
+            f"{caller}: `pace` must be 'steps' (every site runs `period` local steps per round) or 'speed' (each"
+            f" site in proportion to its speed), got {config.pace!r}."
+        )
+    paced_round = config.fragments == 1 and not config.overlap_steps and comm_dtype not in CODE_DTYPES
+    if config.pace == "speed" and (
+        config.period == "auto" or config.warmup_steps < 2 or config.node_period is not None or not paced_round
+    ):
+        raise ValueError(
+            f"{caller}: `pace='speed'` times the warm-up's steps and paces blocking rounds of the whole model: it"
+            " needs a number `period` and `warmup_steps` >= 2, and no fragments, overlap_steps, node_period or"
+            " low-bit comm_dtype yet."
+        )
 
 
 def check_int(name: str, value: Any, minimum: int, caller: str = "Averager") -> None:

@@ -165,6 +165,9 @@ class Round:
         self._carrier = self._transports[0]
         #: How many phases a round's collectives take (2: a quantized round's all-to-all, then its all-gather).
         self.phases = 1
+        #: What this rank's payload is multiplied by before the SUM (``pace="speed"``: its weight times the group
+        #: size, so that dividing by the group size gives the weighted mean); 1 for a plain mean.
+        self.scale = 1.0
         self._in_flight = False
         self._blocking = True
         self._outer = True
@@ -276,6 +279,9 @@ class Round:
         self._payload, self._head = self._layouts[part]
         self._carrier = self._transports[part]
         self._fill()
+        if self.scale != 1.0:
+            for region in self._regions():
+                region.mul_(self.scale)
         self.header.write(self._head, stamp)
         try:
             self._carrier.start()

@@ -313,6 +313,9 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--shard", "node", "--period", "4"], "start several (--devices N), this run has one"),
         (["--layout", "islands", "--period", "4"], "need several processes (--devices N)"),
         (["--period", "4", "--node-period", "2"], "need several processes (--devices N)"),
+        (["--pace", "speed"], "--pace speed needs --period N"),
+        (["--pace", "speed", "--period", "8", "--fragments", "2"], "no --fragments, --overlap-steps"),
+        (["--pace", "speed", "--period", "8", "--warmup-steps", "1"], "--warmup-steps 2 or more"),
         (
             ["--shard", "node", "--period", "4", "--devices", "2", "--comm-dtype", "float8_e4m3fn", "--error-feedback"],
             "--error-feedback",

@@ -27,6 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabric_multimodel.launch import parse_final_line
+from fabric_multimodel.pacing import paced_steps
 from fabric_multimodel.sites import (
     FAILURE_GRACE_S,
     STOP_GRACE_S,
@@ -469,14 +470,14 @@ def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(runs, sig
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str | None, Path]]:
     """examples/lm_fabric.py (DiLoCo, FSDP2 inside each site of 2 processes, a sharded checkpoint at step 3 and at
-    the end) and examples/gan_fabric.py (local SGD, one process per site), 6 steps each, at 100 mbit, both at
-    once: the LM by the command line (stdout: the tool's lines and site 0's output), the GAN by ``run_sites``
-    (site 0's stdout log). (exit code, output, errors, run id, run folder) by name."""
+    the end) and examples/gan_fabric.py (local SGD paced by speed, one process per site), 6 steps each, at
+    100 mbit, both at once: the LM by the command line (stdout: the tool's lines and site 0's output), the GAN by
+    ``run_sites`` (site 0's stdout log). (exit code, output, errors, run id, run folder) by name."""
     base = tmp_path_factory.mktemp("examples")
     schedule = ["--steps", "6", "--period", "3", "--warmup-steps", "2", "--checkpoint-every", "0"]
     lm = [str(ROOT / "examples" / "lm_fabric.py"), *schedule, "--outer", "nesterov", "--log-every", "3"]
     lm += ["--eval-batches", "1", "--shard", "node", "--checkpoint-every", "3", "--out", str(base / "lm")]
-    gan = [*schedule, "--out", str(base / "gan")]
+    gan = [*schedule, "--pace", "speed", "--out", str(base / "gan")]
     tool = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "100mbit", "--timeout", str(TIMEOUT_S)]
     tool += ["--out", str(base / "lm-sites"), "--", *lm]
     # The example imports fabric_multimodel: this checkout's, as the tests do.
@@ -506,11 +507,18 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
 
 @pytest.mark.parametrize(("name", "keys"), [("lm", LM_KEYS), ("gan", GAN_KEYS)])
 def test_the_examples_train_across_two_sites(examples, name, keys):
-    """Warm-up steps 1-2 synchronous, a round at step 5, and one on leaving the local steps at 6."""
+    """Warm-up steps 1-2 synchronous, a round at step 5, and one on leaving the local steps at 6 (the GAN, paced:
+    a site measured slower makes fewer steps, in the same two rounds)."""
     code, stdout, stderr, run_id, folder = examples[name]
     assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     final = parse_final_line(stdout, keys)
-    assert int(final["steps"]) == 6 and int(final["rounds"]) == 2 and int(final["comm_bytes"]) > 0, final
+    assert int(final["rounds"]) == 2 and int(final["comm_bytes"]) > 0, final
+    paced = re.search(r"^pace speed: local steps per round by site: (\d+) steps .*, (\d+) steps ", stdout, re.M)
+    if name == "gan":
+        assert paced and max(int(paced[1]), int(paced[2])) == 3, stdout[-3000:]
+        assert int(final["steps"]) == paced_steps(6, 2, int(paced[1]), 3), final
+    else:
+        assert not paced and int(final["steps"]) == 6, final
     quality = float(final["val_loss"]) if name == "lm" else int(final["modes_captured"].split("/")[0])
     assert math.isfinite(quality) and quality >= 0, final
     if name == "lm":  # the command line: its lines around site 0's output

@@ -1,0 +1,87 @@
+"""``pace="speed"``: each site runs as many local steps per round as its speed allows, so that all arrive together.
+
+Every round waits for the slowest site: a site at half speed leaves a full-speed one idle half of each period.
+With pacing, the fastest site runs ``period`` local steps per round and a site whose steps take ``k`` times as
+long runs ``period / k`` (rounded, at least one), so both reach each round at about the same time. The sites
+measure their speed in warm-up (the median time between ``step()`` calls; a site's slowest process speaks for
+it) and agree at its end with one all-gather across sites. Each site's pseudo-gradient (or parameters) then
+counts in proportion to the local steps behind it: a round is the weighted mean ``sum_i w_i x_i`` with
+``w_i = steps_i / sum_j steps_j``, sent as ``w_i * W * x_i`` through the same SUM-then-divide-by-``W``
+collective, so the bytes on the link do not change.
+
+Example::
+
+    pace = paced(period=32, step_s=[0.05, 0.10])
+    pace.periods  # (32, 16): the site at half speed runs half the steps
+    pace.weights  # (0.667, 0.333): and counts for a third
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fabric_multimodel.collectives import ProcessGroup, group_size
+
+
+class Pace(NamedTuple):
+    """Per site of the averaging group (in its rank order): its local steps per round, its share of a round's
+    mean, and the step times they came from."""
+
+    periods: tuple[int, ...]
+    weights: tuple[float, ...]
+    step_s: tuple[float, ...]
+
+    def __str__(self) -> str:
+        sites = ", ".join(
+            f"{p} steps ({1e3 * s:.1f} ms each, weight {w:.2f})"
+            for p, w, s in zip(self.periods, self.weights, self.step_s)
+        )
+        return f"pace speed: local steps per round by site: {sites}"
+
+
+def paced(period: int, step_s: Sequence[float]) -> Pace:
+    """The local steps per round of each site, ``period`` for the fastest, and the weights of their rounds.
+
+    Example::
+
+        paced(8, [0.1, 0.1, 0.4]).periods  # (8, 8, 2)
+    """
+    if period < 1 or not step_s or not all(math.isfinite(s) and s > 0 for s in step_s):
+        raise ValueError(f"paced: needs period >= 1 and positive step times; got {period}, {list(step_s)}.")
+    fastest = min(step_s)
+    periods = tuple(max(1, round(period * fastest / s)) for s in step_s)
+    total = sum(periods)
+    return Pace(periods, tuple(p / total for p in periods), tuple(float(s) for s in step_s))
+
+
+def paced_steps(total: int, warmup_steps: int, period: int, fastest_period: int) -> int:
+    """The steps of a site that runs ``period`` local steps per round in a run of ``total`` steps of the fastest
+    site (``fastest_period`` per round): as many scheduled rounds (then every site has the one on leaving the
+    Averager's block), and at most the share of the fastest site's steps after its last round.
+
+    Example::
+
+        paced_steps(100, warmup_steps=4, period=16, fastest_period=32)  # 52: 3 rounds of 16 (the fastest: 3 of 32)
+    """
+    local = total - warmup_steps
+    if local <= 0:
+        return total
+    return warmup_steps + local * period // fastest_period
+
+
+def gather_step_times(
+    step_s: float, device: torch.device, group: ProcessGroup, site: ProcessGroup = None
+) -> list[float]:
+    """Every site's step time, in ``group``'s rank order, on every rank: a site's slowest process speaks for it
+    (one MAX allreduce over ``site`` when given), then one all-gather over ``group``."""
+    mine = torch.tensor([step_s], dtype=torch.float64, device=device)
+    if site is not None and group_size(site) > 1:
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=site)
+    everyone = torch.zeros(group_size(group), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    return everyone.tolist()
