@@ -463,11 +463,20 @@ def link_line(averager: Averager, end_seconds: float, end_bytes: int) -> str:
 
 
 def clock(step: int, averager: Averager | None) -> int:
-    """When the ranks act together (a stop, a periodic checkpoint): the step, or with ``--pace speed`` past warm-up,
-    where the sites make different steps but the same rounds, the fastest site's step at the last round."""
-    if averager is None or averager.pace is None:
+    """When the ranks act together (a stop, a periodic checkpoint): the step; with ``--pace speed``, where the
+    sites make different steps but the same rounds, 0 in warm-up and then the fastest site's step at the last
+    round. (A clock of steps would tie a fast site to a slow one: a vote launched at a step is read some steps
+    later, so the fast site could never run more than that ahead, and warm-up would measure them alike.)"""
+    if averager is None or averager.config.pace != "speed":
         return step
+    if averager.pace is None:
+        return 0
     return averager.warmup_steps + max(averager.pace.periods) * averager.rounds
+
+
+def paced(averager: Averager | None) -> bool:
+    """Whether the sites run at their own pace (``--pace speed``): they end at different steps."""
+    return averager is not None and averager.config.pace == "speed"
 
 
 def warmup_ended(fabric: Fabric, averager: Averager, args: argparse.Namespace, total: int, progress: Progress) -> None:

@@ -56,6 +56,7 @@ from common import (
     layout,
     main,
     mode_name,
+    paced,
     resume,
     run_config,
     run_folder,
@@ -286,7 +287,7 @@ def train(args: argparse.Namespace) -> int | None:
                 fabric.log_dict(metrics, step=step)
             before, now = now, clock(step, averager)
             # A paced site's last step can be another's round, after which that one acts: all act alike there.
-            final = step == args.steps and (averager is None or averager.pace is None)
+            final = step == args.steps and not paced(averager)
             if not final and stop.requested(now):
                 path = save(step)
                 checkpointer.close()  # the write may be in the background: it must land before the exit
