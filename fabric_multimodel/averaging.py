@@ -253,19 +253,19 @@ class Averager:
             phases=self._round.phases,
         )
 
-    def _warmup_step_s(self, option: str) -> float:
-        """The median seconds between the warm-up's step() calls on this rank."""
+    def _warmup_gaps(self, option: str) -> list[float]:
+        """The seconds between the warm-up's step() calls on this rank; an error (on every rank) when none was timed."""
         if not self._step_gaps:  # every rank resumed from the same counts: all raise here, before any collective
             raise RuntimeError(
                 f"Averager: {option} timed no warm-up step (the run resumed at the warm-up's last step); resume"
                 " from an earlier checkpoint."
             )
-        return statistics.median(self._step_gaps)
+        return self._step_gaps
 
     def _choose_period(self) -> None:
         """period="auto", at the end of warm-up: time a round's payload across ``process_group`` and choose from
         it and the warm-up's steps, with the slowest rank's figures on every rank (see ``auto_period``)."""
-        step_s = self._warmup_step_s("period='auto'")
+        step_s = statistics.median(self._warmup_gaps("period='auto'"))
         sent = self._round.traffic.bytes
         round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
         groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
@@ -277,8 +277,7 @@ class Averager:
     def _site_step_times(self) -> list[float]:
         """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
         The mean, not the median: a site held back in bursts (a CPU quota, a shared GPU) is as slow as its mean."""
-        self._warmup_step_s("pace='speed'")
-        step_s = statistics.fmean(self._step_gaps)
+        step_s = statistics.fmean(self._warmup_gaps("pace='speed'"))
         return gather_step_times(step_s, self._device, self.process_group, self._site)
 
     def _set_pace(self, pace: Pace) -> None:
