@@ -84,10 +84,7 @@ RING = Task(
 LM = Task(
     "lm",
     common.REPO / "examples" / "lm_fabric.py",
-    keys=(
-        "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean",
-        "comm_bytes", "comm_bytes_per_iter", "rounds", "state_bytes",
-    ),
+    keys=common.LM_KEYS,
     quality=("val_loss", "val_bpb"),
     steps=2000,
     quick_steps=40,

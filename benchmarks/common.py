@@ -26,6 +26,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "results"
+#: The keys of ``examples/lm_fabric.py``'s ``final:`` line, in order.
+LM_KEYS = (
+    "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
+    "rounds", "state_bytes",
+)  # fmt: skip
 
 # Wall-clock start of the script (see start_clock), shared with the processes it spawns through the
 # environment, so every progress line counts from the same moment.

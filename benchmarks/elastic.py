@@ -32,10 +32,6 @@ from fabric_multimodel.launch import parse_final_line  # noqa: E402
 from fabric_multimodel.sites import Drop, Join, run_sites  # noqa: E402
 
 NAME = "elastic"
-KEYS = (
-    "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds", "state_bytes",
-)  # fmt: skip
 RESUMED = re.compile(r"--resume auto: step (\d+) from \S+ into (\d+) processes \(unix time ([\d.]+)")
 # The same line's phases: "seconds: start=9.1 fabric=2.0 ... transfer=6.1 load=0.2".
 PHASES = re.compile(r"--resume auto: step \d+ from \S+ into (\d+) processes .*seconds: ([^;\n]*)", re.MULTILINE)
@@ -71,7 +67,7 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
     out, err = (path.read_text() for path in result.logs[0])
     row: dict[str, Any] = {"run": label, "code": result.code, "sites_wall_s": result.wall_s}
     if result.code == 0:
-        row.update({k: float(v) for k, v in parse_final_line(out, KEYS).items()})
+        row.update({k: float(v) for k, v in parse_final_line(out, common.LM_KEYS).items()})
     resumes = [(int(s), int(w), float(t)) for s, w, t in RESUMED.findall(out)]
     row["resumes"] = resumes
     if join is not None and result.joined_at is not None:

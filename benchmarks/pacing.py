@@ -31,10 +31,6 @@ from fabric_multimodel.pacing import paced_steps  # noqa: E402
 from fabric_multimodel.sites import run_sites  # noqa: E402
 
 NAME = "pacing"
-KEYS = (
-    "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
-    "rounds", "state_bytes",
-)  # fmt: skip
 PACE = re.compile(r"^pace speed: local steps per round by site: (\d+) steps .*?, (\d+) steps ", re.MULTILINE)
 SLOW_SHARE = 0.5
 
@@ -64,7 +60,7 @@ def run(args: Any, label: str, steps: int, *, slow: bool, pace: bool) -> dict[st
     row: dict[str, Any] = {"run": label, "code": result.code, "sites_wall_s": result.wall_s}
     if result.code != 0:
         return row
-    row.update({k: float(v) for k, v in parse_final_line(out, KEYS).items()})
+    row.update({k: float(v) for k, v in parse_final_line(out, common.LM_KEYS).items()})
     row["slow_steps"] = row["steps"]
     if pace and (found := PACE.search(out)):
         fast_period, slow_period = int(found.group(1)), int(found.group(2))

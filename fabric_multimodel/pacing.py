@@ -3,7 +3,7 @@
 Every round waits for the slowest site: a site at half speed leaves a full-speed one idle half of each period.
 With pacing, the fastest site runs ``period`` local steps per round and a site whose steps take ``k`` times as
 long runs ``period / k`` (rounded, at least one), so both reach each round at about the same time. The sites
-measure their speed in warm-up (the median time between ``step()`` calls; a site's slowest process speaks for
+measure their speed in warm-up (the mean time between ``step()`` calls; a site's slowest process speaks for
 it) and agree at its end with one all-gather across sites. Each site's pseudo-gradient (or parameters) then
 counts in proportion to the local steps behind it: a round is the weighted mean ``sum_i w_i x_i`` with
 ``w_i = steps_i / sum_j steps_j``, sent as ``w_i * W * x_i`` through the same SUM-then-divide-by-``W``
