@@ -6,6 +6,9 @@ Methods, all on the same ranks, interleaved inside every repeat:
 - ``floor+div`` (diagnostic): the floor followed by ``div_(world)``, the least a mean costs on gloo.
 - ``ours``: an ``Averager`` round (parameters live in flat storage; one in-place allreduce + divide),
   with its default NaN/Inf check; ``ours-nocheck``: the same with ``check_finite=False``.
+- ``ours-adam``: ``ours`` with an Adam optimizer passed to the ``Averager``, whose moments (twice the
+  parameters) a plain round averages too; its ratio is to ``floor-adam``, one flat allreduce of the
+  parameters and moments together.
 - ``ours-bf16``: plain averaging with ``comm_dtype=torch.bfloat16`` (sends ``param - anchor`` at half the bytes).
 - ``ours-diloco``: DiLoCo, an outer Nesterov step (lr 0.7, momentum 0.9, ``foreach=True``) on fp32 pseudo-gradients.
 - ``ours-diloco-bf16``: the same with bf16 pseudo-gradients.
@@ -40,20 +43,23 @@ NAME = "averaging_cost"
 OURS = {  # method -> the Averager's options
     "ours": {},
     "ours-nocheck": {"check_finite": False},
+    "ours-adam": {"optimizers": "adam"},
     "ours-bf16": {"comm_dtype": "bfloat16"},
     "ours-diloco": {"outer_optimizer": "nesterov"},
     "ours-diloco-bf16": {"outer_optimizer": "nesterov", "comm_dtype": "bfloat16"},
     "ours-diloco-fp8": {"outer_optimizer": "nesterov", "comm_dtype": "float8_e4m3fn"},
     "ours-diloco-fp4": {"outer_optimizer": "nesterov", "comm_dtype": "float4_e2m1fn_x2"},
 }
-BASE_METHODS = ("floor", "floor+div", *OURS, "pytorch", "per-tensor")
+BASE_METHODS = ("floor", "floor+div", "floor-adam", *OURS, "pytorch", "per-tensor")
 PEER_METHODS = ("torchft", "torchft-bucketized")
 HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
 METHOD_LABELS = {
     "floor": "floor (one flat fp32 allreduce)",
     "floor+div": "floor + one in-place divide (gloo has no AVG)",
+    "floor-adam": "floor of the parameters and Adam's two moments (one flat fp32 allreduce)",
     "ours": "ours: plain averaging (NaN/Inf check on)",
     "ours-nocheck": "ours: plain averaging, check_finite=False",
+    "ours-adam": "ours: plain averaging of the parameters and Adam's moments",
     "ours-bf16": "ours: plain averaging, bf16 payload",
     "ours-diloco": "ours: DiLoCo outer Nesterov step, fp32",
     "ours-diloco-bf16": "ours: DiLoCo outer Nesterov step, bf16",
@@ -139,11 +145,16 @@ def _methods(fabric, model: str, peers: bool) -> tuple[dict, list, int, int]:
             )
         if "comm_dtype" in options:
             options["comm_dtype"] = getattr(torch, options["comm_dtype"])
+        modules = list(setup_models(fabric, **build(model)))
+        if options.get("optimizers") == "adam":  # one step (of zero gradients) makes Adam's moments
+            adam = torch.optim.Adam(_params(modules))
+            for p in _params(modules):
+                p.grad = torch.zeros_like(p)
+            adam.step()
+            options["optimizers"] = [adam]
         # Parameters only, so every method moves the same elements (BatchNorm running statistics
         # would add 1,792 elements on the DCGAN pair). period=1: every step() is a full round.
-        averager = Averager(
-            fabric, list(setup_models(fabric, **build(model))), period=1, average_buffers=False, **options
-        )
+        averager = Averager(fabric, modules, period=1, average_buffers=False, **options)
         averager.__enter__()
         averagers.append(averager)
         calls[method] = averager.step
@@ -152,6 +163,7 @@ def _methods(fabric, model: str, peers: bool) -> tuple[dict, list, int, int]:
     n_params = sum(p.numel() for p in pytorch_params)
     floor = torch.zeros(n_params, dtype=torch.float32)
     floor_div = torch.zeros(n_params, dtype=torch.float32)
+    floor_adam = torch.zeros(3 * n_params, dtype=torch.float32)
 
     def floor_only() -> None:
         dist.all_reduce(floor)
@@ -169,7 +181,15 @@ def _methods(fabric, model: str, peers: bool) -> tuple[dict, list, int, int]:
                 dist.all_reduce(p.data)
                 p.data.div_(world)
 
-    calls.update({"floor": floor_only, "floor+div": floor_and_divide, "pytorch": pytorch, "per-tensor": per_tensor})
+    calls.update(
+        {
+            "floor": floor_only,
+            "floor+div": floor_and_divide,
+            "floor-adam": lambda: dist.all_reduce(floor_adam),
+            "pytorch": pytorch,
+            "per-tensor": per_tensor,
+        }
+    )
     if peers and HAS_TORCHFT and world == 2:
         from benchmarks.peers import torchft_diloco_round
 
@@ -208,12 +228,14 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
     if rank != 0:
         return []
     rows = []
-    floor_median = None
+    floors = {}
     for method in methods:
         # A round ends when its slowest rank is done: per repeat, the max over ranks.
         per_repeat = [max(rank_times[method][i] for rank_times in all_times) for i in range(repeats)]
         med = common.median(per_repeat)
-        floor_median = med if method == "floor" else floor_median
+        if method.startswith("floor"):
+            floors[method] = med
+        floor_median = floors["floor-adam" if method.endswith("-adam") else "floor"]
         quartiles = _quartiles(per_repeat)
         collectives = all_counted[0][method]["collectives"]
         reductions = [(n, dtypes) for name, n, dtypes in collectives if name.endswith("all_reduce")]
@@ -259,6 +281,7 @@ def _dtype_bytes(dtypes: tuple) -> int:
 
 SUMMARY = (
     "ours",
+    "ours-adam",
     "ours-bf16",
     "ours-diloco",
     "ours-diloco-bf16",

@@ -24,18 +24,17 @@ from fabric_multimodel.builder import build_rounds
 from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
-    all_reduce_mean_,
     broadcast_differences,
     describe_disagreement,
-    fingerprint,
     group_rank,
     group_ranks,
     group_size,
 )
 from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.models import Models
+from fabric_multimodel.optimizer_state import OptimizerStateStorage
 from fabric_multimodel.pacing import Pace, gather_step_times, paced, paced_steps
-from fabric_multimodel.replicas import HasDevice, Modules, optimizer_state
+from fabric_multimodel.replicas import HasDevice, Modules
 from fabric_multimodel.rounds import AveragingError, Header, Stamp
 from fabric_multimodel.schedule import Event, Schedule
 
@@ -205,6 +204,7 @@ class Averager:
         self.config = config = AveragerConfig.build(config, options, "Averager")
         module_list = as_module_list(modules, "Averager")
         self.optimizers = check_optimizers(optimizers, "Averager")
+        self._optimizer_state = OptimizerStateStorage(self.optimizers)  # what blocking rounds average with the models
         placement = check_placement(module_list, self.optimizers, process_group, node_group, config)
         #: True when the modules are FSDP2 shards (``fully_shard`` inside each site): a round averages this
         #: rank's shard with the same shard of the other sites, and the sites' own reduce-scatters go on every step.
@@ -676,9 +676,8 @@ class Averager:
             # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
             self._round.anchor_parameters(self._round.parts[fragment])
         count = self.rounds if self.pace is not None else self.steps  # paced sites differ in steps, not rounds
-        stamp = Stamp(
-            count % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], self.steps > self._synced_at[fragment]
-        )
+        layout, _ = self._optimizer_state.refresh()
+        stamp = Stamp(count % 16**Header.STEP_DIGITS, layout, self.steps > self._synced_at[fragment])
         self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up, part=fragment)
         self.traffic += self._round.traffic
         if not blocking:
@@ -689,7 +688,7 @@ class Averager:
         self._check_stamps(stamps, label)
         if any(s.progress for s in stamps):
             self.rounds += 1
-            self.traffic += all_reduce_mean_(optimizer_state(self.optimizers), self.process_group)
+            self.traffic += self._optimizer_state.all_reduce_mean_(self.process_group)
         self._synced_at[fragment] = self.steps
         self.finished_at = self.steps
         return True
@@ -702,10 +701,11 @@ class Averager:
     def _node_round_now(self) -> bool:
         assert self._node_round is not None
         label = f"averaging round {self.rounds + 1} (inside the node) at step {self.steps}"
-        stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, self._optimizer_layout()[0], True)
+        layout, _ = self._optimizer_state.refresh()
+        stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, layout, True)
         self._node_round.launch(stamp, label=label, blocking=True)
         self._check_stamps(self._node_round.finish(), label, self.node_group)
-        sent = self._node_round.traffic + all_reduce_mean_(optimizer_state(self.optimizers), self.node_group)
+        sent = self._node_round.traffic + self._optimizer_state.all_reduce_mean_(self.node_group)
         self.traffic += sent
         self.node_traffic += sent
         self.rounds += 1
@@ -744,26 +744,11 @@ class Averager:
                     " iteration, on every rank."
                 )
         if any(stamp.layout != mine.layout for stamp in stamps):
-            problem = describe_disagreement(self._optimizer_layout()[1], self._device, group)
+            problem = describe_disagreement(self._optimizer_state.layout[1], self._device, group)
             raise AveragingError(
                 f"{label}: the optimizers' state differs across ranks (build the same optimizer types and options,"
                 f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
             )
-
-    def _optimizer_layout(self) -> tuple[int, str]:
-        if not self.optimizers:
-            return 0, ""
-        description = repr(
-            [
-                (i, key, tuple(value.shape), str(value.dtype))
-                for opt in self.optimizers
-                for group in opt.param_groups
-                for i, p in enumerate(group["params"])
-                for key, value in sorted(opt.state.get(p, {}).items())
-                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-            ]
-        )
-        return fingerprint(description) & 0xFFFF, description
 
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():

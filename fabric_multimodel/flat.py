@@ -59,7 +59,8 @@ class FlatStorage:
         #: Per buffer, the number of elements that belong to tensors (the rest is spare).
         self.sizes: list[int] = []
         self.buffers: list[torch.Tensor] = []
-        self._addresses: list[int] = []
+        #: Per tensor, where its data was when the storage was made (see :meth:`intact`).
+        self.addresses: list[int] = []
         self._copies: list[torch.Tensor] = []  # not re-homed: each tensor's place in the buffers
         with torch.no_grad():
             for (device, dtype), indices in groups.items():
@@ -81,7 +82,7 @@ class FlatStorage:
                     if self.shards is not None and shards is not None:
                         self.shards.append(shards[i])
                     self.slots.append((len(self.buffers), offset, t.numel()))
-                    self._addresses.append(t.data_ptr())
+                    self.addresses.append(t.data_ptr())
                     offset += t.numel()
                 self.buffers.append(flat)
                 self.sizes.append(size)
@@ -203,7 +204,7 @@ class FlatStorage:
 
             assert storage.intact(), "a parameter was given new storage (model.to()?)"
         """
-        return list(map(torch.Tensor.data_ptr, self.tensors)) == self._addresses
+        return list(map(torch.Tensor.data_ptr, self.tensors)) == self.addresses
 
 
 class Part:

@@ -22,6 +22,7 @@ from fabric_multimodel.collectives import (
     tensors_fingerprint,
 )
 from fabric_multimodel.flat import local_part
+from fabric_multimodel.optimizer_state import optimizer_state
 from fabric_multimodel.rounds import NonFiniteError
 
 if TYPE_CHECKING:
@@ -144,18 +145,6 @@ def replicas_in_sync(
         return SyncReport(True, True, finite, buffers)
     top, bottom = extremes(local, fabric.device, process_group)
     return SyncReport(top[0] == bottom[0], top[1] == bottom[1], top[2] == 0, buffers)
-
-
-def optimizer_state(optimizers: Sequence[Optimizer]) -> list[torch.Tensor]:
-    """Floating-point state tensors in a rank-independent order; the step counter is not a statistic."""
-    return [
-        value
-        for opt in optimizers
-        for group in opt.param_groups
-        for p in group["params"]
-        for key, value in sorted(opt.state.get(p, {}).items())
-        if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-    ]
 
 
 def _unique(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -97,7 +97,7 @@ def test_averaging_cost_quick(tmp_path):
     assert len(summary) == len(memory) == 2  # 2 models x world size 2 (quick)
     ours = ("ours", "ours-nocheck", "ours-bf16", "ours-diloco", "ours-diloco-bf16")
     quantized = {"ours-diloco-fp8": 0.27, "ours-diloco-fp4": 0.15}  # bytes of fp32's, at most
-    methods = ("floor", "floor+div", *ours, *quantized, "pytorch", "per-tensor")
+    methods = ("floor", "floor+div", "floor-adam", *ours, "ours-adam", *quantized, "pytorch", "per-tensor")
     cases = {(row["model"], row["ranks"], row["method"]): row for row in details}
     assert set(cases) == {(m, "2", k) for m in ("dcgan", "mlp400") for k in methods}
     for row in details:
@@ -125,6 +125,11 @@ def test_averaging_cost_quick(tmp_path):
                 assert int(row["bytes_allreduced"]) == width * (n + header)
                 # Nothing proportional to the model is allocated in a round (buffers are made once).
                 assert int(row["extra_bytes"]) < 0.01 * 4 * n, (method, row["extra_bytes"])
+            # With Adam: the parameters' round, then one allreduce of both moments, in place (no staging copy).
+            adam = by_case[(model, ranks, "ours-adam")]
+            assert int(adam["allreduce_calls"]) == 2 and int(adam["elements_allreduced"]) == 3 * n + header
+            assert int(by_case[(model, ranks, "floor-adam")]["elements_allreduced"]) == 3 * n
+            assert int(adam["extra_bytes"]) < 0.01 * 4 * n, adam["extra_bytes"]
             for method, share in quantized.items():
                 row = by_case[(model, ranks, method)]
                 # No allreduce: an all-to-all and an all-gather of uint8 codes, a quarter or a seventh of the bytes.
