@@ -40,7 +40,7 @@ def test_rehomed_state_trains_bit_for_bit_like_the_optimizer_alone(seed, hidden,
     opt, twin_opt = OPTIMIZERS[name](model.parameters(), foreach), OPTIMIZERS[name](twin.parameters(), foreach)
     state = OptimizerStateStorage([opt])
     assert state.refresh() == (0, "")  # no state before the first step
-    for step in range(steps):
+    for _ in range(steps):
         x = torch.randn(5, 3)
         for m, o in ((model, opt), (twin, twin_opt)):
             nn.functional.mse_loss(m(x), torch.ones(5, 2)).backward()
