@@ -311,16 +311,8 @@ class Round:
             self._carrier.finish()
         except RuntimeError as error:
             raise self._peer_error(error) from error
-        head = self._head
-        if self.check_finite:
-            total = torch.stack(
-                [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self._payload]
-            )
-            values = torch.cat([head.double(), total.double()]).tolist()
-            finite = all(map(_isfinite, values[self.header.size :]))
-        else:
-            values, finite = head.double().tolist(), True
-        rows = self.header.read(values)
+        finite = self._read_sum()
+        rows = self.header.read(self._head.double().tolist())
         if not finite:
             names = self._nonfinite_names()
             message = self._rollback()
@@ -344,6 +336,18 @@ class Round:
             self._carrier.finish()
         except RuntimeError:
             pass  # the caller is already failing; a peer that is gone is its concern, not ours
+
+    def _read_sum(self) -> bool:
+        """What the round does to the summed payload first; True when it is finite (or the check is off).
+
+        One NaN on one rank makes the sum NaN on every rank, so one read of it (a sum) tells every rank alike.
+        """
+        if not self.check_finite:
+            return True
+        total = torch.stack(
+            [s.sum(dtype=torch.float32) if s.dtype == torch.float16 else s.sum() for s in self._payload]
+        )
+        return all(map(_isfinite, total.double().tolist()))
 
     def _nonfinite_names(self) -> list[str]:
         """The tensors of this round's part whose summed payload holds NaN or Inf."""
@@ -417,12 +421,16 @@ class MeanRound(Round):
             if not self._blocking:
                 snap.copy_(x)
 
+    def _read_sum(self) -> bool:
+        # Whatever follows (merge, skip or rollback), the sum becomes the mean first: dividing and checking in one
+        # pass over it, not two.
+        return mean_(self._regions(), self.world) or not self.check_finite
+
     def _merge(self) -> None:
+        if self.in_place:
+            return
         data = self.part.data
         for x, region, snap in zip(data, self._regions(), self.part.of(self.snapshot) if self.snapshot else data):
-            region.div_(self.world)
-            if self.in_place:
-                continue
             if self._blocking:
                 x.copy_(region)
             elif self.mixing is None:
@@ -431,14 +439,11 @@ class MeanRound(Round):
                 torch.lerp(region, x, self.mixing, out=x)
 
     def _skip(self) -> None:
-        if self.in_place:  # the sum of identical replicas, divided: the same values (to the last bit when
-            for region in self._regions():  # the world size is a power of two)
-                region.div_(self.world)
+        """In place, the sum of identical replicas is already their mean (to the last bit when the world size is a
+        power of two); otherwise the parameters were never touched."""
 
     def _rollback(self) -> str:
         if self.in_place:
-            for region in self._regions():
-                region.div_(self.world)
             return "plain averaging has already spread them to every replica; restore a checkpoint"
         return "each replica keeps its own parameters (the round was not applied)"
 
@@ -765,6 +770,34 @@ class _NodeSlices:
 def _bounds(numel: int, count: int, index: int) -> tuple[int, int]:
     """Slice ``index`` of ``count`` nearly equal slices of ``numel`` elements."""
     return index * numel // count, (index + 1) * numel // count
+
+
+def mean_(sums: Sequence[torch.Tensor], world: int) -> bool:
+    """Divide each of ``sums`` (tensors summed over ``world`` ranks) by ``world`` in place; True when all are finite.
+
+    One pass over memory where ``div_`` and then a sum make two: this is what AMP's gradient unscaling does
+    (multiply by a reciprocal, flag any NaN or Inf), so it uses torch's fused kernel for it, on any device.
+    Multiplying by ``1 / world`` (in float32) is exactly dividing when ``world`` is a power of two; float64 is
+    divided, then summed.
+
+    Example::
+
+        dist.all_reduce(flat)
+        if not mean_([flat], dist.get_world_size()):
+            raise FloatingPointError("a rank sent NaN or Inf")
+    """
+    found = []
+    for t in sums:
+        if t.numel() and t.dtype == torch.float64:  # the fused kernel's reciprocal is float32: 2**-24 off
+            t.div_(world)
+            found.append(t.sum().isfinite().logical_not().reshape(1))
+        elif t.numel():
+            flag = torch.zeros(1, dtype=torch.float32, device=t.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [t], flag, torch.full((1,), 1 / world, dtype=torch.float32, device=t.device)
+            )
+            found.append(flag)
+    return not any(bool(flag.any()) for flag in found)
 
 
 def _isfinite(value: float) -> bool:

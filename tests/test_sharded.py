@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -83,6 +83,7 @@ def sharded_and_islands(fabric, options: dict, steps: int):
     warmup=st.integers(0, 2),
     feedback=st.booleans(),
 )
+@example(payload="fp4", outer=True, fragments=2, overlap=1, warmup=1, feedback=True)  # 2.25 steps apart
 def test_sharded_rounds_keep_shards_in_sync_and_equal_ddp_islands(
     worlds, payload, outer, fragments, overlap, warmup, feedback
 ):
@@ -94,8 +95,10 @@ def test_sharded_rounds_keep_shards_in_sync_and_equal_ddp_islands(
         assert checks and all(checks)  # every shard equals the same shard of the other site after each round
         # Block quantization cuts a shard's payload into other blocks than a replica's: the two runs differ by
         # what two quantizations of the largest value can (a first round after warm-up sends parameters, not
-        # deltas: e4m3 keeps 3 mantissa bits, e2m1 one), and fp32 and bf16 payloads not at all.
-        assert difference <= {"fp32": 1e-6, "bf16": 1e-6, "fp8": 2 / 16, "fp4": 2 / 6}[payload], difference
+        # deltas: e4m3 keeps 3 mantissa bits, e2m1 one), and fp32 and bf16 payloads not at all. With error
+        # feedback, the residual each run carries into the next round differs as well: one step more.
+        steps = 3 if "error_feedback" in options else 2
+        assert difference <= {"fp32": 1e-6, "bf16": 1e-6, "fp8": steps / 16, "fp4": steps / 6}[payload], difference
         assert sent["sharded"] > 0
 
 
