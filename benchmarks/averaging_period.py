@@ -511,7 +511,7 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
     """Every setting at every bandwidth across ``--sites`` simulated sites (see benchmarks/site_sweep.py)."""
     if args.sites < 2 or args.layouts:
         p.error("--sites needs at least 2 sites, and no --layouts (the islands rows are in the sweep)")
-    args.steps = args.steps or (16 if args.quick else task.steps)
+    args.steps = args.steps or (10 if args.quick else task.steps)
     warmup = args.warmup_steps if args.warmup_steps is not None else (2 if args.quick else task.warmup_steps)
     args.devices = args.devices or (1 if args.quick else 2)  # per site
     bandwidths = args.bandwidth or (["10mbit"] if args.quick else ["none", "100mbit", "10mbit", "1mbit"])

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any
@@ -72,12 +73,24 @@ def fabric_package() -> ModuleType:
 
         Fabric = fabric_package().Fabric
     """
+    name = fabric_package_name()
+    if name is None:
+        raise ImportError(f"fabric_multimodel needs Lightning Fabric: {INSTALL_HINT}")
+    return importlib.import_module(name)
+
+
+def fabric_package_name() -> str | None:
+    """The name of the package :func:`fabric_package` returns, found without importing it; None when neither family
+    is installed.
+
+    Example::
+
+        fabric_package_name()  # "lightning_fabric" where the standalone package is installed
+    """
     for package in FABRIC_PACKAGES:
         if sys.modules.get(package) is not None:
-            return sys.modules[package]
+            return package
     for package in FABRIC_PACKAGES:
-        try:
-            return importlib.import_module(package)
-        except ImportError:
-            continue
-    raise ImportError(f"fabric_multimodel needs Lightning Fabric: {INSTALL_HINT}")
+        if importlib.util.find_spec(package.split(".")[0]) is not None:
+            return package
+    return None

@@ -37,17 +37,22 @@ HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
 PLOT_HINT = "pip install 'fabric-multimodel[plot]'"
 
 
-@pytest.fixture(scope="module")
-def example():
-    """examples/gan_fabric.py as a module (its folder on the path, as when it runs as a script)."""
+def load_script(path: str):
+    """An example script as a module (its folder on the path, as when it runs as a script)."""
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        spec = importlib.util.spec_from_file_location("gan_fabric", ROOT / SCRIPT)
+        spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     finally:
         sys.path.remove(str(ROOT / "examples"))
+
+
+@pytest.fixture(scope="module")
+def example():
+    """examples/gan_fabric.py as a module."""
+    return load_script(SCRIPT)
 
 
 class Run(NamedTuple):
@@ -81,12 +86,16 @@ def train(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") ->
         cmd = [sys.executable, SCRIPT] + (["--devices", str(devices), "--accelerator", "cpu"] if devices > 1 else [])
     proc = run(cmd + ["--out", str(out), *flags])
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    lines = proc.stdout.strip().splitlines()
-    assert sum(line.startswith("final:") for line in lines) == 1, proc.stdout  # rank 0 only
+    return Run(out, proc.stdout, proc.stderr, final_of(proc.stdout))
+
+
+def final_of(stdout: str) -> dict[str, float]:
+    """The figures of the run's one ``final:`` line (rank 0's), which must be its last line."""
+    lines = stdout.strip().splitlines()
+    assert sum(line.startswith("final:") for line in lines) == 1, stdout  # rank 0 only
     match = FINAL.match(lines[-1])  # the benchmarks parse the last line
     assert match, f"last line is not the final line: {lines[-1]!r}"
-    final = {k: float(v) for k, v in match.groupdict().items()}
-    return Run(out, proc.stdout, proc.stderr, final)
+    return {k: float(v) for k, v in match.groupdict().items()}
 
 
 def model_bytes(checkpoint: dict) -> int:
@@ -223,23 +232,24 @@ def test_script_launches_its_own_processes(tmp_path: Path) -> None:
     assert result.final["comm"] > 0
 
 
-def test_single_process_communicates_nothing(tmp_path: Path) -> None:
-    result = train(
-        tmp_path,
-        "--steps",
-        "20",
-        "--period",
-        "4",
-        "--warmup-steps",
-        "5",
-        "--checkpoint-every",
-        "0",
-        devices=1,
-        launcher="python",
-    )
-    assert result.final["steps"] == 20
-    assert result.final["comm"] == 0
-    assert result.final["rounds"] == expected_rounds(0, 20, warmup=5, period=4)
+def train_here(example, capsys, *argv: str) -> tuple[int, str, str]:
+    """The script's ``train`` as one process, in this one (no interpreter to start): (exit code, stdout, stderr)."""
+    try:
+        code = example.train(example.parse_args(list(argv))) or 0
+    except SystemExit as exit:
+        code = exit.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_single_process_communicates_nothing(tmp_path: Path, example, capsys) -> None:
+    flags = ["--steps", "20", "--period", "4", "--warmup-steps", "5", "--checkpoint-every", "0"]
+    code, stdout, stderr = train_here(example, capsys, "--out", str(tmp_path), *flags)
+    assert code == 0, stderr
+    final = final_of(stdout)
+    assert final["steps"] == 20
+    assert final["comm"] == 0
+    assert final["rounds"] == expected_rounds(0, 20, warmup=5, period=4)
     assert (tmp_path / "checkpoint.pt").is_file()
 
 
@@ -313,35 +323,36 @@ def test_torchrun_processes_form_one_world(tmp_path: Path) -> None:
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 10
 
 
-def test_resuming_says_when_nothing_is_left_and_when_the_world_changed(sync_run: Run, tmp_path: Path) -> None:
+def test_resuming_says_when_nothing_is_left_and_when_the_world_changed(
+    sync_run: Run, tmp_path: Path, example, capsys
+) -> None:
     checkpoint = str(sync_run.out / "checkpoint.pt")
-    done = run([sys.executable, SCRIPT, "--steps", "30", "--log-every", "10", "--resume", checkpoint])
-    assert done.returncode == 0 and "is at step 30 already: nothing to train" in done.stdout, done.stderr
-    assert "final:" not in done.stdout
-    more = run(
-        [sys.executable, SCRIPT, "--steps", "33", "--log-every", "10", "--resume", checkpoint, "--out", str(tmp_path)]
-    )
-    assert more.returncode == 0, more.stderr
-    assert "was written by 4 processes and resumes into 1" in more.stdout
+    code, stdout, stderr = train_here(example, capsys, "--steps", "30", "--log-every", "10", "--resume", checkpoint)
+    assert code == 0 and "is at step 30 already: nothing to train" in stdout, stderr
+    assert "final:" not in stdout
+    flags = ["--steps", "33", "--log-every", "10", "--resume", checkpoint, "--out", str(tmp_path)]
+    code, stdout, stderr = train_here(example, capsys, *flags)
+    assert code == 0, stderr
+    assert "was written by 4 processes and resumes into 1" in stdout
 
 
-def resume_refused(checkpoint: Path, steps: int, out: Path, *flags: str) -> str:
-    """Resume ``checkpoint`` with ``--period 4`` up to ``steps``; it must fail with one clean line."""
-    cmd = [sys.executable, SCRIPT, "--out", str(out), "--steps", str(steps), "--period", "4", *flags]
-    cmd += ["--resume", str(checkpoint)]
-    proc = run(cmd)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    return proc.stderr.strip().splitlines()[-1]
+def resume_refused(example, capsys, checkpoint: Path, steps: int, out: Path, *flags: str) -> str:
+    """Resume ``checkpoint`` with ``--period 4`` up to ``steps``; it must fail with one clean line, writing nothing."""
+    argv = ["--out", str(out), "--steps", str(steps), "--period", "4", *flags, "--resume", str(checkpoint)]
+    code, _, stderr = train_here(example, capsys, *argv)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (out / "checkpoint.pt").exists()
+    return stderr.strip()
 
 
-def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path) -> None:
-    line = resume_refused(local_sgd_run.out / "checkpoint.pt", 20, tmp_path, "--warmup-steps", "10")
+def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path, example, capsys) -> None:
+    line = resume_refused(example, capsys, local_sgd_run.out / "checkpoint.pt", 20, tmp_path, "--warmup-steps", "10")
     assert "beyond --steps 20" in line, line
 
 
-def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path) -> None:
+def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path, example, capsys) -> None:
     # A synchronous run's checkpoint has no averager state to resume --period from; 4 processes wrote it.
-    line = resume_refused(sync_run.out / "checkpoint.pt", 40, tmp_path)
+    line = resume_refused(example, capsys, sync_run.out / "checkpoint.pt", 40, tmp_path)
     assert line.endswith("was written with --period 0 (now 4); resume with the same settings"), line
 
 
@@ -420,16 +431,15 @@ def test_sigterm_writes_a_checkpoint_and_stops(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".checkpoint.pt.tmp-*"))
 
 
-def test_digits(tmp_path: Path) -> None:
+def test_digits(tmp_path: Path, example, capsys) -> None:
     if not HAS_SKLEARN:  # the optional extra is missing: the script says how to get it
-        proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--dataset", "digits"])
-        assert proc.returncode != 0 and "Traceback" not in proc.stderr
-        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-        assert "pip install 'fabric-multimodel[digits]'" in proc.stderr
+        code, _, stderr = train_here(example, capsys, "--out", str(tmp_path), "--dataset", "digits")
+        assert code != 0 and stderr.strip().splitlines() == [stderr.strip()]
+        assert "pip install 'fabric-multimodel[digits]'" in stderr
         return
-    proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--dataset", "digits", "--steps", "10"])
-    assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
+    code, stdout, stderr = train_here(example, capsys, "--out", str(tmp_path), "--dataset", "digits", "--steps", "10")
+    assert code == 0, stderr
+    last = stdout.strip().splitlines()[-1]
     assert re.match(
         r"^final: steps=10 dataset=digits wall_s=\S+ iter_ms_median=\S+ iter_ms_mean=\S+"
         r" comm_bytes=0 comm_bytes_per_iter=0.0 rounds=0 state_bytes=\d+$",
@@ -438,18 +448,24 @@ def test_digits(tmp_path: Path) -> None:
     assert (tmp_path / "digits.png").is_file() == HAS_MATPLOTLIB
 
 
-def test_a_default_length_run_captures_every_mode_with_high_quality(tmp_path: Path) -> None:
+def test_a_default_length_run_captures_every_mode_with_high_quality(tmp_path: Path, example, capsys) -> None:
     # The recipe's quality at the default length (the sweep reports 4 processes: 8/8 modes and at least 0.90
     # high quality on 5 seeds), checked here in one process: 39 s on a loaded 2-core machine, against 108 s
     # for the 4-process run alone.
-    final = train(tmp_path, "--checkpoint-every", "0", devices=1, launcher="python").final
+    code, stdout, stderr = train_here(example, capsys, "--out", str(tmp_path), "--checkpoint-every", "0")
+    assert code == 0, stderr
+    final = final_of(stdout)
     assert final["steps"] == 3000
     assert final["modes"] == 8 and final["hq"] >= 0.85, final
 
 
 @pytest.mark.parametrize("script", [SCRIPT, "examples/lm_fabric.py"])
-def test_help_states_every_default_in_plain_text(script: str) -> None:
-    text = run([sys.executable, script, "--help"]).stdout
+def test_help_states_every_default_in_plain_text(script: str, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps to the terminal, as in a plain shell
+    with pytest.raises(SystemExit) as exit_info:  # in this process: the script's own parser
+        load_script(script).parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
     options = text.split("options:", 1)[1]
     blocks = re.split(r"\n(?=  -)", options)  # one block per option, its help text included
     for block in filter(str.strip, blocks):

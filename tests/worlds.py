@@ -1,21 +1,21 @@
 """Real multi-process gloo worlds for the tests, kept alive and reused across many cases.
 
 A :class:`World` spawns ``size`` processes on 127.0.0.1, each with a launched Fabric (DDP strategy,
-CPU, gloo), and runs module-level task functions ``fn(fabric, *args)`` on every rank. Spawning
-costs seconds per world, so tests share one world per size and hypothesis draws cases in the
-parent. A rank that raises, or a world that does not answer within the timeout, is reported with
+CPU, gloo), and runs module-level task functions ``fn(fabric, *args)`` on every rank. The processes
+come from a fork server that imported torch and Lightning once (``process_context``); joining a
+world still costs a second or more, so tests share one world per size and hypothesis draws cases in
+the parent. A rank that raises, or a world that does not answer within the timeout, is reported with
 every rank's traceback, and the world is replaced so later tests start clean.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fabric_multimodel.launch import free_port, join_local_world, shutdown
+from fabric_multimodel.launch import free_port, join_local_world, process_context, shutdown
 
 # A hung collective turns into an error after this long instead of blocking the suite.
 COLLECTIVE_TIMEOUT_S = 60
@@ -58,7 +58,7 @@ class World:
     def __init__(self, size: int, timeout: float = 180.0) -> None:
         self.size = size
         self.timeout = timeout
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         port = free_port()
         self._conns = []
         self._procs = []
@@ -137,7 +137,7 @@ def run_faulty_world(
     """
     import time
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     port = free_port()
     conns, procs = [], []
     for rank in range(size):
