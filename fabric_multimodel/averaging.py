@@ -663,11 +663,6 @@ class Averager:
                 self._round_now(fragment, blocking=True)
 
     def _round_now(self, fragment: int, *, blocking: bool) -> bool:
-        if not self._round.storage.intact():
-            raise RuntimeError(
-                "Averager: a parameter or buffer was given new storage after the Averager was built (for"
-                " example by `.to()` or `param.data = ...`); move models before building the Averager."
-            )
         label = f"averaging round {self.rounds + 1} at step {self.steps}"
         if self.fragments > 1:
             label += f" (fragment {fragment + 1} of {self.fragments})"
@@ -679,12 +674,17 @@ class Averager:
         layout, _ = self._optimizer_state.refresh()
         stamp = Stamp(count % 16**Header.STEP_DIGITS, layout, self.steps > self._synced_at[fragment])
         self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up, part=fragment)
+        # Checked while the payload crosses (a pointer per tensor, 0.13 ms for 400 on a CPU: hidden behind the
+        # collective), and raised once the round ended, so that no rank leaves a collective half-issued.
+        intact = self._round.storage.intact()
         self.traffic += self._round.traffic
         if not blocking:
             self.rounds += 1
             self._launched_at = self.steps
+            _check_intact(intact)  # leaving the block then discards the round in flight
             return True
         stamps = self._round.finish()
+        _check_intact(intact)
         self._check_stamps(stamps, label)
         if any(s.progress for s in stamps):
             self.rounds += 1
@@ -762,6 +762,14 @@ class Averager:
                 # the first synchronous backward. Doing it here, on every rank at the same step, keeps
                 # that broadcast out of the local phase.
                 ddp._has_rebuilt_buckets = True
+
+
+def _check_intact(intact: bool) -> None:
+    if not intact:
+        raise RuntimeError(
+            "Averager: a parameter or buffer was given new storage after the Averager was built (for"
+            " example by `.to()` or `param.data = ...`); move models before building the Averager."
+        )
 
 
 def _held_bytes(roots: Sequence[Any], exclude: Collection[int] = ()) -> int:

@@ -165,6 +165,31 @@ def test_optimizer_state_that_differs_across_ranks_is_an_error_at_the_first_roun
         assert seconds < 10 and check == 2
 
 
+# --- a parameter given new storage after the Averager was built ---------------------------------------
+
+
+def moved_after_building(fabric, kind):
+    torch.manual_seed(0)
+    (model,) = setup_models(fabric, m=mlp([2, 4, 1]))
+    averager = Averager(fabric, [model], period=2, **({"overlap_steps": 1} if kind == "overlap" else {}))
+
+    def run():
+        with averager:
+            for step in range(1, 5):
+                if step == 2:  # what `.to()` onto another device, or `param.data = ...`, does
+                    model.module[0].weight.data = model.module[0].weight.data.clone()
+                averager.step()
+
+    return timed_error(run), in_step()
+
+
+@pytest.mark.parametrize("kind", ["blocking", "overlap"])
+def test_a_parameter_given_new_storage_is_an_error_at_the_next_round_on_every_rank(worlds, kind):
+    for (name, message, seconds), check in worlds(2).run(moved_after_building, kind):
+        assert name == "RuntimeError" and "given new storage after the Averager was built" in message, message
+        assert seconds < 10 and check == 2  # no collective left half-issued
+
+
 # --- NaN or Inf on one rank -------------------------------------------------------------------------
 
 
