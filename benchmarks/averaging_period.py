@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -776,6 +777,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds before one run is abandoned")
     p.add_argument("--reuse", action="store_true", help="reuse finished runs with identical commands (resume a sweep)")
     p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs at a time (default: 1, so that runs do not slow each other; quick: 2)",
+    )
+    p.add_argument(
         "--sites",
         type=int,
         default=0,
@@ -799,6 +806,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--` (e.g. -- --batch-size 32)")
     args = p.parse_args(argv)
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
     task = TASKS[args.task]
     if args.sites:
         sweep_sites(task, args, p)
@@ -822,22 +831,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
     bar = common.Progress("runs", len(seeds) * len(settings), every_s=0)
-    for seed in seeds:
-        for setting in settings:
+    cases = [(seed, setting) for seed in seeds for setting in settings]
+    # Runs at a time: one for timings; a quick sweep checks the script, and two runs fill the core that one run's
+    # launcher leaves idle while it imports.
+    with ThreadPoolExecutor(args.jobs or (2 if args.quick else 1)) as pool:
+        futures = {
+            pool.submit(run_once, task, setting, args, seed, runs_dir): (seed, setting) for seed, setting in cases
+        }
+        done: dict[tuple[int, str], dict[str, Any]] = {}
+        for future in as_completed(futures):
+            seed, setting = futures[future]
             try:
-                row = run_once(task, setting, args, seed, runs_dir)
+                row = future.result()
             except RuntimeError as error:
                 failures.append(str(error))
                 common.progress(f"FAILED {error}")
                 bar.advance(note=f"{setting.key} seed {seed} failed")
                 continue
-            runs.append(row)
+            done[seed, setting.key] = row
             quality = ", ".join(f"{m} {row[m]:.3f}" for m in task.quality)
             how = "reused" if row["reused"] else f"{row['run_s']:.0f}s"
             bar.advance(
                 note=f"{setting.key} seed {seed}: {row['iter_ms_median']:.2f} ms/iter,"
                 f" {row['comm_bytes_per_iter']:,.0f} B/iter, {quality} ({how})"
             )
+    runs.extend(done[seed, setting.key] for seed, setting in cases if (seed, setting.key) in done)
     elapsed = common.elapsed()
     rows = summarise(task, settings, runs)
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fabric_multimodel.launch import free_port
+from fabric_multimodel.launch import free_port, stop_process_tree
 from fabric_multimodel.rounds import Header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,24 +69,32 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def train(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") -> Run:
+def start(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") -> tuple[Path, subprocess.Popen]:
+    """Start the example by `fabric run` (or as a script that starts its own processes), writing to ``out``."""
     if launcher == "fabric":
-        cmd = [
-            str(FABRIC),
-            "run",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            str(devices),
-            "--main-port",
-            str(free_port()),
-            SCRIPT,
-        ]
+        cmd = [str(FABRIC), "run", "--accelerator", "cpu", "--devices", str(devices), "--main-port", str(free_port())]
+        cmd += [SCRIPT]
     else:  # the script starts its own processes (or runs as one)
         cmd = [sys.executable, SCRIPT] + (["--devices", str(devices), "--accelerator", "cpu"] if devices > 1 else [])
-    proc = run(cmd + ["--out", str(out), *flags])
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return Run(out, proc.stdout, proc.stderr, final_of(proc.stdout))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LT_")}  # as if typed in a fresh shell
+    cmd += ["--out", str(out), *flags]
+    return out, subprocess.Popen(cmd, cwd=ROOT, env=clean, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(started: tuple[Path, subprocess.Popen]) -> Run:
+    """Wait for a started run (ending its processes if it takes too long) and read its final line."""
+    out, proc = started
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except BaseException:
+        stop_process_tree(proc)
+        raise
+    assert proc.returncode == 0, f"{proc.args} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return Run(out, stdout, stderr, final_of(stdout))
+
+
+def train(out: Path, *flags: str, devices: int = 4, launcher: str = "fabric") -> Run:
+    return finish(start(out, *flags, devices=devices, launcher=launcher))
 
 
 def final_of(stdout: str) -> dict[str, float]:
@@ -124,25 +132,33 @@ def metrics_rows(out: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-@pytest.fixture(scope="module")
-def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return train(tmp_path_factory.mktemp("sync"), "--steps", "30", "--log-every", "10")
+LOCAL_SGD = ["--period", "4", "--warmup-steps", "10", "--checkpoint-every", "0"]  # a periodic checkpoint adds a round
+LOCAL_WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def local_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    # Checkpoints only at the end: a periodic one would add a round (sync) to the schedule.
-    return train(
-        tmp_path_factory.mktemp("period"),
-        "--steps",
-        "40",
-        "--period",
-        "4",
-        "--warmup-steps",
-        "10",
-        "--checkpoint-every",
-        "0",
-    )
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """By `fabric run`: a synchronous run of 30 steps in 4 processes (the README's command), and meanwhile a local-SGD
+    run of 40 steps in 2 and its resume to 80 (every process costs seconds of imports on 2 cores)."""
+    sync = start(tmp_path_factory.mktemp("sync"), "--steps", "30", "--log-every", "10")
+    try:
+        local = train(tmp_path_factory.mktemp("period"), "--steps", "40", *LOCAL_SGD, devices=LOCAL_WORLD)
+        resume = ["--steps", "80", *LOCAL_SGD, "--resume", str(local.out / "checkpoint.pt")]
+        resumed = train(tmp_path_factory.mktemp("resumed"), *resume, devices=LOCAL_WORLD)
+        return {"sync": finish(sync), "local": local, "resumed": resumed}
+    finally:
+        if sync[1].poll() is None:  # something above failed
+            stop_process_tree(sync[1])
+
+
+@pytest.fixture(scope="module")
+def sync_run(runs: dict[str, Run]) -> Run:
+    return runs["sync"]
+
+
+@pytest.fixture(scope="module")
+def local_sgd_run(runs: dict[str, Run]) -> Run:
+    return runs["local"]
 
 
 def test_fabric_run_synchronous(sync_run: Run) -> None:
@@ -195,24 +211,12 @@ def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Ru
     assert checkpoint["averager"]["steps"] == 40 and checkpoint["averager"]["rounds"] == final["rounds"]
     params = model_bytes(checkpoint)
     # Warm-up: gradients every step. A round: parameters plus Adam's two moments, plus the header.
-    assert final["comm"] == 10 * params + final["rounds"] * round_bytes(params, world=4)
+    assert final["comm"] == 10 * params + final["rounds"] * round_bytes(params, world=LOCAL_WORLD)
     assert final["per_iter"] < sync_run.final["per_iter"]
 
 
-def test_resume_continues_to_the_total_steps(local_sgd_run: Run, tmp_path: Path) -> None:
-    resumed = train(
-        tmp_path,
-        "--steps",
-        "80",
-        "--period",
-        "4",
-        "--warmup-steps",
-        "10",
-        "--checkpoint-every",
-        "0",
-        "--resume",
-        str(local_sgd_run.out / "checkpoint.pt"),
-    )
+def test_resume_continues_to_the_total_steps(local_sgd_run: Run, runs: dict[str, Run]) -> None:
+    resumed = runs["resumed"]
     final = resumed.final
     assert final["steps"] == 80
     assert 0 <= final["modes"] <= 8
@@ -222,7 +226,7 @@ def test_resume_continues_to_the_total_steps(local_sgd_run: Run, tmp_path: Path)
     assert more == 11
     assert final["rounds"] == local_sgd_run.final["rounds"] + more
     params = model_bytes(torch.load(resumed.out / "checkpoint.pt", weights_only=True))
-    assert final["comm"] == local_sgd_run.final["comm"] + more * round_bytes(params, world=4)
+    assert final["comm"] == local_sgd_run.final["comm"] + more * round_bytes(params, world=LOCAL_WORLD)
     assert torch.load(resumed.out / "checkpoint.pt", weights_only=True)["step"] == 80
 
 

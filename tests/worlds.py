@@ -99,12 +99,20 @@ class World:
         return outcomes
 
     def close(self) -> None:
+        self.ask_to_leave()
+        self.join()
+
+    def ask_to_leave(self) -> None:
+        """Tell every rank to leave the world, without waiting for it (:meth:`join` waits)."""
         self.broken = True
         for conn in self._conns:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+
+    def join(self) -> None:
+        """Wait for every rank to exit (10 s each at most, then kill it)."""
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():
