@@ -23,7 +23,7 @@ from fabric_multimodel.collectives import (
 )
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.optimizer_state import optimizer_state
-from fabric_multimodel.rounds import NonFiniteError
+from fabric_multimodel.rounds import NonFiniteError, listed
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -76,7 +76,7 @@ def average_models(
         if not bool(torch.isfinite(sums).all()):
             bad = [name for name, total in zip(names, sums.tolist()) if total != total or abs(total) == float("inf")]
             raise NonFiniteError(
-                f"average_models: NaN or Inf in {', '.join(bad)} (on at least one rank); every replica now holds"
+                f"average_models: NaN or Inf in {listed(bad)} (on at least one rank); every replica now holds"
                 " them: restore a checkpoint.",
                 bad,
             )

@@ -48,9 +48,9 @@ class AveragingError(RuntimeError):
 class NonFiniteError(AveragingError):
     """A round found NaN or Inf in what the replicas sent; raised on every rank.
 
-    ``names`` lists the tensors (``model.layer.weight``) that held them. Anchored rounds (DiLoCo,
-    ``comm_dtype``) have put the parameters back to the anchor, identical and finite on every rank;
-    plain averaging has already spread the values to every replica.
+    ``names`` lists every tensor (``model.layer.weight``) that held them; the message, the first eight.
+    Anchored rounds (DiLoCo, ``comm_dtype``) have put the parameters back to the anchor, identical and
+    finite on every rank; plain averaging has already spread the values to every replica.
 
     Example::
 
@@ -61,6 +61,17 @@ class NonFiniteError(AveragingError):
     def __init__(self, message: str, names: Sequence[str]) -> None:
         super().__init__(message)
         self.names = list(names)
+
+
+def listed(names: Sequence[str], limit: int = 8) -> str:
+    """``names`` for an error message: the first ``limit``, then how many more (a 400-tensor model lists 400).
+
+    Example::
+
+        listed(["a", "b", "c"], limit=2)  # "a, b and 1 more"
+    """
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 class Stamp(NamedTuple):
@@ -317,7 +328,7 @@ class Round:
             names = self._nonfinite_names()
             message = self._rollback()
             raise NonFiniteError(
-                f"{self._label}: NaN or Inf in what the replicas sent, in {', '.join(names) or 'the payload'}"
+                f"{self._label}: NaN or Inf in what the replicas sent, in {listed(names) or 'the payload'}"
                 f" (on at least one rank); {message}.",
                 names,
             )

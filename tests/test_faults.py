@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fabric_multimodel import Averager, average_models, replicas_in_sync, setup_models
+from fabric_multimodel import Averager, NonFiniteError, average_models, replicas_in_sync, setup_models
 from fabric_multimodel.launch import run_world
 from tests.gan import mlp
 from tests.worlds import in_step, run_faulty_world
@@ -236,6 +236,26 @@ def test_nonfinite_values_on_one_rank_raise_on_every_rank(worlds, value, kind, r
             assert "not applied" in message and not in_sync
         else:  # anchored rounds roll back: identical, finite replicas
             assert "back at the anchor" in message and finite and in_sync
+
+
+def nonfinite_everywhere(fabric):
+    (model,) = setup_models(fabric, m=mlp([2] * 11))  # 20 tensors
+    if fabric.global_rank == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+    try:
+        with Averager(fabric, [model], period=1, warmup_steps=0) as averager:
+            averager.step()
+    except NonFiniteError as error:
+        return str(error), error.names, in_step()
+    return None, [], in_step()
+
+
+def test_an_error_names_the_first_tensors_and_counts_the_rest(worlds):
+    for message, names, check in worlds(2).run(nonfinite_everywhere):
+        assert len(names) == 20 and check == 2, message
+        assert f"in {', '.join(names[:8])} and 12 more (on at least one rank)" in message, message
 
 
 def nonfinite_average_models(fabric):
