@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -23,24 +19,17 @@ from fabric_multimodel.checkpoints import (
     remove_stale_temporaries,
     save_checkpoint,
 )
+from fabric_multimodel.launch import process_context
 
-ROOT = Path(__file__).resolve().parents[1]
 
-# Saves a ~48 MB checkpoint over and over, each with its own version number, until killed.
-WRITER = textwrap.dedent(
-    """
-    import sys, torch
-    from lightning_fabric import Fabric
-    from fabric_multimodel.checkpoints import save_checkpoint
+def write_forever(path: str, version: int, conn) -> None:
+    """Save a ~48 MB checkpoint to ``path`` over and over, each with its own version, telling ``conn``, until killed."""
     fabric = Fabric(accelerator="cpu", devices=1)
     weights = torch.randn(12_000_000)
-    version = int(sys.argv[2])
     while True:
         version += 1
-        save_checkpoint(fabric, sys.argv[1], {"weights": weights, "version": version})
-        print(version, flush=True)
-    """
-)
+        save_checkpoint(fabric, path, {"weights": weights, "version": version})
+        conn.send(version)
 
 
 def test_a_writer_killed_mid_save_leaves_a_whole_checkpoint_and_no_leak(tmp_path: Path) -> None:
@@ -48,21 +37,22 @@ def test_a_writer_killed_mid_save_leaves_a_whole_checkpoint_and_no_leak(tmp_path
     fabric = Fabric(accelerator="cpu", devices=1)
     save_checkpoint(fabric, path, {"weights": torch.zeros(3), "version": 0})
     rng = random.Random(0)
+    ctx = process_context()
     versions = [0]
     for attempt in range(3):
-        writer = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(path), str(1000 * (attempt + 1))],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        # Its own process (forked from the worlds' server, which imported torch and Lightning already).
+        saved, conn = ctx.Pipe(duplex=False)
+        writer = ctx.Process(target=write_forever, args=(str(path), 1000 * (attempt + 1), conn), daemon=True)
+        writer.start()
+        conn.close()
         try:
-            writer.stdout.readline()  # one save finished: the next one is under way
+            assert saved.poll(120), "the writer finished no save"  # one finished: the next one is under way
             time.sleep(rng.uniform(0.0, 0.6))
-            writer.send_signal(signal.SIGKILL)
-            writer.wait(timeout=30)
+            writer.kill()  # SIGKILL
+            writer.join(timeout=30)
         finally:
-            writer.kill()
+            if writer.is_alive():
+                writer.kill()
         checkpoint = read_checkpoint(path, expected=["weights", "version"])  # whole: CRCs and keys check out
         assert checkpoint["version"] > versions[-1]
         versions.append(checkpoint["version"])
