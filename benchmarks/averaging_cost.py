@@ -231,14 +231,14 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
     if rank != 0:
         return []
     rows = []
-    floors = {}
+    floors: dict[str, list[float]] = {}
     for method in methods:
         # A round ends when its slowest rank is done: per repeat, the max over ranks.
         per_repeat = [max(rank_times[method][i] for rank_times in all_times) for i in range(repeats)]
         med = common.median(per_repeat)
         if method.startswith("floor"):
-            floors[method] = med
-        floor_median = floors["floor-adam" if method.endswith("-adam") else "floor"]
+            floors[method] = per_repeat
+        floor = floors["floor-adam" if method.endswith("-adam") else "floor"]
         quartiles = _quartiles(per_repeat)
         collectives = all_counted[0][method]["collectives"]
         reductions = [(n, dtypes) for name, n, dtypes in collectives if name.endswith("all_reduce")]
@@ -253,7 +253,10 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
                 "min_ms": min(per_repeat) * 1e3,
                 "p25_ms": quartiles[0] * 1e3,
                 "p75_ms": quartiles[1] * 1e3,
-                "ratio_to_floor": med / floor_median,
+                "ratio_to_floor": med / common.median(floor),
+                # Each repeat's own ratio (both timed within one repeat, under the same load), then the median:
+                # steadier than the ratio of the medians on a shared machine whose load drifts between repeats.
+                "paired_ratio": common.median([t / f for t, f in zip(per_repeat, floor)]),
                 "allreduce_calls": len(reductions),
                 "elements_allreduced": sum(n for n, _ in reductions),
                 "bytes_allreduced": sent.get(method, sum(n * _dtype_bytes(dtypes) for n, dtypes in reductions)),
@@ -342,6 +345,7 @@ def detail_table(rows: list[dict]) -> str:
         "median ms",
         "p25-p75 ms",
         "ratio to floor",
+        "paired ratio",
         "allreduce calls",
         "elements",
         "bytes sent",
@@ -355,6 +359,7 @@ def detail_table(rows: list[dict]) -> str:
             f"{r['median_ms']:.3f}",
             f"{r['p25_ms']:.3f}-{r['p75_ms']:.3f}",
             common.ratio(r["ratio_to_floor"]),
+            common.ratio(r["paired_ratio"]),
             r["allreduce_calls"],
             common.thousands(r["elements_allreduced"]),
             r["bytes_allreduced"],

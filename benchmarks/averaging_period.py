@@ -534,7 +534,8 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
         unknown = sorted(set(args.settings) - {s.key for s in settings})
         if unknown:
             p.error(f"--settings: unknown {unknown}; choose from {[s.key for s in settings]}")
-        settings = [s for s in settings if s.key in args.settings]
+        by_key = {s.key: s for s in settings}
+        settings = [by_key[key] for key in dict.fromkeys(args.settings)]  # in the order given: swap it to check drift
     info = common.machine_info()
     floor = run_on_sites(task, site_sweep.floor_setting(args.steps), args, "none", seed, runs_dir, args.steps)
     iter_s = floor["wall_s"] / args.steps  # the compute every other run is measured against (until the second)
@@ -686,6 +687,15 @@ def report_sites(
         reached = site_sweep.time_to_target(Path(row["metrics"]), target) if target is not None else None
         row["time_to_target_s"] = reached if reached is not None else math.nan
         row["model_error"] = row["model_wall_s"] / row["wall_s"] - 1 if row["wall_s"] else math.nan
+    # Equal wall-clock: on each link, every run's latest validation by the time the first run logged its last.
+    for bandwidth in bandwidths:
+        on_link = [r for r in runs if r["bandwidth"] == bandwidth]
+        curves = [site_sweep.read_curve(Path(r["metrics"])) for r in on_link]
+        seconds = site_sweep.equal_wall_clock(curves)
+        for row, curve in zip(on_link, curves):
+            loss = site_sweep.loss_by(curve, seconds) if seconds is not None else None
+            row["equal_wall_s"] = seconds if seconds is not None else math.nan
+            row["val_loss_at_equal_wall"] = loss if loss is not None else math.nan
     print(f"# Averaging across {args.sites} simulated sites, task {task.name}{' (QUICK)' if args.quick else ''}\n")
     print(common.machine_line(info, sites=args.sites, processes_per_site=args.devices, steps=args.steps))
     policy = "every 10% of the steps (the examples' default)" if args.checkpoints == "default" else "off"
@@ -702,13 +712,21 @@ def report_sites(
         " traffic inside a site is not counted). State: the final line's state_bytes, rank 0's parameters,"
         " gradients, optimizer states and the Averager's own tensors."
         + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
+        + (
+            " At equal wall-clock: each run's latest validation loss by the time the first run on its link logged"
+            " its last."
+            if task is LM
+            else ""
+        )
         + " Model: the cost model's wall-clock (benchmarks/site_sweep.py) from the measured link rate.\n"
     )
     # The same setting on an unlimited link: what it costs besides the link (DDP inside a site, the rounds' own work).
     unlimited = {r["setting"]: r["wall_s"] / r["steps"] for r in runs if r["bandwidth"] == "none"}
     headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "vs unlimited link"]
     headers += ["crossing B/iter", "in-site DDP B/iter"]
-    headers += ["val loss", "to target s", "state B/rank"] if task is LM else ["modes", "high quality"]
+    headers += (
+        ["val loss", "at equal wall-clock", "to target s", "state B/rank"] if task is LM else ["modes", "high quality"]
+    )
     headers += ["model wall s (error)"]
     table = []
     for r in runs:
@@ -725,7 +743,10 @@ def report_sites(
         ]
         if task is LM:
             reached = r["time_to_target_s"]
-            line += [f"{r['val_loss']:.4f}", f"{reached:.1f}" if reached == reached else "not reached"]
+            at_equal = r["val_loss_at_equal_wall"]
+            line += [f"{r['val_loss']:.4f}"]
+            line += [f"{at_equal:.4f} ({r['equal_wall_s']:.0f} s)" if at_equal == at_equal else "-"]
+            line += [f"{reached:.1f}" if reached == reached else "not reached"]
             line += [f"{r['state_bytes']:,.0f}"]
         else:
             line += [f"{r['modes_captured']:g}/{r['modes_captured_of']:g}", f"{r['high_quality']:.3f}"]
@@ -794,7 +815,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="with --sites: the link rates to sweep (default: none 100mbit 10mbit 1mbit; quick: 10mbit)",
     )
-    p.add_argument("--settings", nargs="+", default=None, help="with --sites: only these settings, and the floor")
+    p.add_argument(
+        "--settings", nargs="+", default=None, help="with --sites: only these settings, in this order, and the floor"
+    )
     p.add_argument(
         "--checkpoints",
         choices=["default", "off"],

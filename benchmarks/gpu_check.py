@@ -11,7 +11,7 @@ the next one starts), all of them within ``--budget-s``:
    fragments; and FSDP2 inside sites of two ranks with DiLoCo over the shards), each checked for bitwise
    identical replicas and for ``averager.traffic.bytes`` equal
    to the bytes of the collectives it issued (``all_reduce`` and ``all_to_all_single`` inputs; the
-   ``all_gather_into_tensor`` returns a 1/W share of the latter, also checked).
+   all-gather (``all_gather_single``) returns a 1/W share of the latter, also checked).
 3. ``nccl``: the same over NCCL, one process per GPU (2 with two GPUs; with one GPU a world of one,
    where the collectives still run, ``ReduceOp.AVG`` included, and the rounds take their code paths).
 4. ``gan`` and ``lm``: ``examples/gan_fabric.py`` and ``examples/lm_fabric.py`` for 300 steps on cuda,
@@ -428,7 +428,7 @@ def mode_table(worlds: list[dict[str, Any]]) -> str:
             status = "ok" if m["ok"] else f"**{m.get('error') or m.get('problem') or 'failed'}**"
             rows.append(
                 [m["name"], world["size"], status, m.get("rounds", "-"), m.get("traffic_bytes", "-")]
-                + [ops.get(op, [0, 0])[1] for op in ("all_reduce", "all_to_all_single", "all_gather_into_tensor")]
+                + [ops.get(op, [0, 0])[1] for op in ("all_reduce", "all_to_all_single", "all_gather_single")]
                 + [m.get("in_sync", "-"), f"{m.get('seconds', 0):.2f}"]
             )
     return markdown_table(headers, rows)
@@ -658,8 +658,8 @@ def probes(backend: str) -> dict[str, Callable[[Any, int], None]]:
         "broadcast float32": _broadcast,
         "all_to_all_single uint8": _all_to_all,
         "all_to_all_single uint8, async wait": lambda d, n: _all_to_all(d, n, async_op=True),
-        "all_gather_into_tensor uint8": _all_gather,
-        "all_gather_into_tensor uint8, async wait": lambda d, n: _all_gather(d, n, async_op=True),
+        "all_gather_single uint8": _all_gather,
+        "all_gather_single uint8, async wait": lambda d, n: _all_gather(d, n, async_op=True),
         "barrier": lambda d, n: _barrier(),
     }
     if backend == "nccl":  # gloo has no AVG ("Cannot use ReduceOp.AVG with Gloo"): the library sums and divides
@@ -718,15 +718,15 @@ def _all_gather(device: Any, n: int, async_op: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
+    from fabric_multimodel.collectives import all_gather_single
+
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered = torch.empty(world * n, dtype=torch.uint8, device=device)
-    work = dist.all_gather_into_tensor(
-        gathered, torch.full((n,), rank + 3, dtype=torch.uint8, device=device), async_op=async_op
-    )
+    work = all_gather_single(gathered, torch.full((n,), rank + 3, dtype=torch.uint8, device=device), async_op=async_op)
     if async_op:
         work.wait()
     expected = (torch.arange(world, device=device) + 3).repeat_interleave(n).to(torch.uint8)
-    _expect(gathered, expected, "all_gather_into_tensor")
+    _expect(gathered, expected, "all_gather_single")
 
 
 def _barrier() -> None:
@@ -742,7 +742,7 @@ class Collectives:
     """Wraps torch.distributed's collectives: counts calls and input bytes while ``counting``, and names the call
     that raised (at launch or at its handle's ``wait()``)."""
 
-    NAMES = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "broadcast")
+    NAMES = ("all_reduce", "all_to_all_single", "all_gather_single", "broadcast")
 
     def __init__(self) -> None:
         self.counting = False
@@ -753,18 +753,22 @@ class Collectives:
     def installed(self) -> Iterator[Collectives]:
         import torch.distributed as dist
 
-        saved = {name: getattr(dist, name) for name in self.NAMES}
+        from fabric_multimodel.collectives import ALL_GATHER_SINGLE
+
+        # The all-gather goes by the name this torch has for it (all_gather_into_tensor before 2.13).
+        attributes = {name: ALL_GATHER_SINGLE if name == "all_gather_single" else name for name in self.NAMES}
+        saved = {name: getattr(dist, attributes[name]) for name in self.NAMES}
         for name, original in saved.items():
-            setattr(dist, name, self._wrap(name, original))
+            setattr(dist, attributes[name], self._wrap(name, original))
         try:
             yield self
         finally:
             for name, original in saved.items():
-                setattr(dist, name, original)
+                setattr(dist, attributes[name], original)
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            sent = args[1] if name in ("all_to_all_single", "all_gather_into_tensor") else args[0]
+            sent = args[1] if name in ("all_to_all_single", "all_gather_single") else args[0]
             if self.counting:
                 self.ops[name][0] += 1
                 self.ops[name][1] += sent.numel() * sent.element_size()
@@ -813,7 +817,7 @@ def round_checked(fabric: Any, options: dict[str, Any] | None, spec: dict[str, A
     ops = collectives.ops
     sent = ops["all_reduce"][1] + ops["all_to_all_single"][1]
     found["traffic_matches"] = found["traffic_bytes"] == sent
-    found["gather_matches"] = ops["all_gather_into_tensor"][1] * found["ranks"] == ops["all_to_all_single"][1]
+    found["gather_matches"] = ops["all_gather_single"][1] * found["ranks"] == ops["all_to_all_single"][1]
     problems = [
         text
         for failed, text in (

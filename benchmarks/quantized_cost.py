@@ -195,6 +195,8 @@ def _phase_times(mean, alone, payload, data, header) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from fabric_multimodel.collectives import all_gather_single
+
     out: dict[str, float] = {}
     payload.copy_(data)
     dist.barrier()
@@ -211,7 +213,7 @@ def _phase_times(mean, alone, payload, data, header) -> dict[str, float]:
     received = torch.empty_like(sent)
     out["all_to_all"] = common.barrier_timed(lambda: dist.all_to_all_single(received, sent))
     shard = sent[: sent.numel() // dist.get_world_size()]
-    out["all_gather"] = common.barrier_timed(lambda: dist.all_gather_into_tensor(received, shard))
+    out["all_gather"] = common.barrier_timed(lambda: all_gather_single(received, shard))
     payload.copy_(data)
     for phase, call in (
         ("quantize", lambda: alone.start(payload, header)),

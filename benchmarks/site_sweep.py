@@ -236,6 +236,18 @@ def read_curve(metrics_csv: Path) -> list[tuple[float, float, int]]:
     return sorted(out)
 
 
+def loss_by(curve: list[tuple[float, float, int]], seconds: float) -> float | None:
+    """The latest validation loss of ``curve`` (from :func:`read_curve`) logged at or before ``seconds``."""
+    by = [loss for elapsed, loss, _ in curve if elapsed <= seconds]
+    return by[-1] if by else None
+
+
+def equal_wall_clock(curves: list[list[tuple[float, float, int]]]) -> float | None:
+    """When the first of these runs logged its last validation: the time at which all of them can be compared."""
+    ends = [curve[-1][0] for curve in curves if curve]
+    return min(ends) if ends else None
+
+
 def loss_at(metrics_csv: Path, step: int) -> float | None:
     """The validation loss logged at ``step`` (None when that step was not logged)."""
     return next((loss for _, loss, s in read_curve(metrics_csv) if s == step), None)

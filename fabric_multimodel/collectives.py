@@ -20,6 +20,25 @@ ProcessGroup = Optional["dist.ProcessGroup"]
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 
 
+#: The name of torch.distributed's all-gather into one tensor: ``all_gather_single`` from torch 2.13 on, which
+#: deprecates ``all_gather_into_tensor`` (with a FutureWarning at every call), the older name before it.
+ALL_GATHER_SINGLE = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, async_op: bool = False
+) -> dist.Work | None:
+    """Every rank's ``input`` side by side in ``output`` (``world`` times its size): one all-gather, under the name
+    this torch has for it (looked up at the call, so a test that wraps it counts it).
+
+    Example::
+
+        everyone = torch.zeros(dist.get_world_size())
+        all_gather_single(everyone, torch.tensor([float(dist.get_rank())]))
+    """
+    return getattr(dist, ALL_GATHER_SINGLE)(output, input, group=group, async_op=async_op)
+
+
 def group_size(group: ProcessGroup = None) -> int:
     """Number of ranks in ``group`` (the default group when None); 1 without torch.distributed.
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.collectives import ProcessGroup, group_size
+from fabric_multimodel.collectives import ProcessGroup, all_gather_single, group_size
 
 
 class Pace(NamedTuple):
@@ -83,5 +83,5 @@ def gather_step_times(
     if site is not None and group_size(site) > 1:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=site)
     everyone = torch.zeros(group_size(group), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group)
     return everyone.tolist()

@@ -9,7 +9,7 @@ floats, and summing codes would overflow them anyway):
 1. every rank quantizes its payload, cut into ``world`` shards of whole blocks, and
    ``all_to_all_single`` sends shard ``j`` (codes, scales, a slice of the exact channel) to rank ``j``;
 2. rank ``j`` dequantizes the ``world`` versions of its shard, sums them in fp32 in rank order,
-   divides by ``world``, quantizes that mean again, and ``all_gather_into_tensor`` hands every rank
+   divides by ``world``, quantizes that mean again, and an all-gather (``all_gather_single``) hands every rank
    every quantized mean shard;
 3. every rank dequantizes the gathered bytes into the payload: every replica holds bitwise the same mean.
 
@@ -53,7 +53,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.collectives import ProcessGroup, Traffic, check_member, group_rank, group_size
+from fabric_multimodel.collectives import (
+    ProcessGroup,
+    Traffic,
+    all_gather_single,
+    check_member,
+    group_rank,
+    group_size,
+)
 
 #: The packed 4-bit dtype; None on a torch that predates it (fp8 still works there).
 FLOAT4_E2M1 = getattr(torch, "float4_e2m1fn_x2", None)
@@ -518,7 +525,7 @@ class QuantizedMean:
             codec.encode(total, mean_codes[:, lo:hi], mean_scales[:, lo:hi])
         torch.sum(layout.exact(self._received), dim=0, out=layout.exact(self._mean)[0])
         if self.world > 1:
-            self._handle = dist.all_gather_into_tensor(self._send, self._mean, group=self.group, async_op=True)
+            self._handle = all_gather_single(self._send, self._mean, group=self.group, async_op=True)
         self._phase = _GATHERING
 
     def finish(self) -> None:

@@ -102,7 +102,8 @@ def test_averaging_cost_quick(tmp_path):
     assert set(cases) == {(m, "2", k) for m in ("dcgan", "mlp400") for k in methods}
     for row in details:
         assert number(row["median ms"]) > 0
-        assert math.isfinite(number(row["ratio to floor"]))
+        assert math.isfinite(number(row["ratio to floor"])) and math.isfinite(number(row["paired ratio"]))
+    assert {row["paired ratio"] for row in details if row["method"] == "floor"} == {"1.00x"}  # each repeat's own
     for row in summary:
         assert row["NaN/Inf check"].endswith("%")
 
@@ -185,6 +186,17 @@ def test_parse_final_line_reads_the_last_final_line():
 def test_parse_final_line_rejects_anything_else(stdout):
     with pytest.raises(ValueError):
         parse_final_line(stdout, KEYS)
+
+
+def test_runs_compare_at_the_first_ones_last_validation():
+    from benchmarks.site_sweep import equal_wall_clock, loss_by
+
+    slow = [(10.0, 2.0, 100), (20.0, 1.8, 200), (30.0, 1.7, 300)]
+    fast = [(8.0, 2.1, 100), (16.0, 1.9, 200), (24.0, 1.75, 300)]
+    seconds = equal_wall_clock([slow, fast, []])  # a run that logged nothing takes no part
+    assert seconds == 24.0
+    assert (loss_by(slow, seconds), loss_by(fast, seconds)) == (1.8, 1.75)
+    assert loss_by(slow, 9.9) is None and equal_wall_clock([[], []]) is None
 
 
 # --- averaging_period -------------------------------------------------------------------------
@@ -277,5 +289,9 @@ def test_averaging_period_across_sites_quick(tmp_path):
     assert float(sync["wall_s"]) > 2 * float(streaming["wall_s"])  # 10 mbit: the link is what limits sync
     for row in rows.values():
         assert float(row["model_wall_s"]) > 0 and row["bandwidth"] == "10mbit"
+    # At equal wall-clock: both when streaming (the faster) logged its last validation, its own final loss.
+    assert sync["equal_wall_s"] == streaming["equal_wall_s"] and float(streaming["equal_wall_s"]) > 0
+    assert float(streaming["val_loss_at_equal_wall"]) == pytest.approx(float(streaming["val_loss"]), abs=1e-4)
     assert (tmp_path / "averaging_period_lm_sites.png").is_file()
     assert len(table) == 2 and table[0]["link"].startswith("10mbit")
+    assert all(row["at equal wall-clock"].endswith(" s)") for row in table)

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabric_multimodel import Averager, NonFiniteError, replicas_in_sync, setup_models
+from fabric_multimodel.collectives import ALL_GATHER_SINGLE
 from fabric_multimodel.quantized import relative_error
 from tests.gan import mlp
 from tests.worlds import errors_of, in_step
@@ -35,13 +36,13 @@ def local_update(fabric, module, step: int) -> None:
 
 def counted(calls: list[tuple[str, int, int]]):
     """Wrap the collectives a quantized round uses, recording (name, step, bytes)."""
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", "all_gather_into_tensor")}
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", ALL_GATHER_SINGLE)}
     step = [0]
 
     def wrap(name):
         def call(*args, **kwargs):
             tensor = args[1] if name == "all_to_all_single" else args[0]
-            if name == "all_gather_into_tensor":
+            if name == ALL_GATHER_SINGLE:
                 tensor = args[1]  # what this rank contributes
             if step[0] is not None:  # None: the test's own checks
                 calls.append((name, step[0], tensor.numel() * tensor.element_size()))
@@ -88,7 +89,7 @@ def test_lowbit_rounds_keep_replicas_identical_and_send_what_they_count(worlds, 
     assert all(identical) and in_sync  # every blocking round leaves the replicas bitwise identical
     assert not [c for c in calls if c[0] == "all_reduce"]  # no float collective: uint8 codes only
     launches = [s for name, s, _ in calls if name == "all_to_all_single" and s > 0]
-    gathers = [s for name, s, _ in calls if name == "all_gather_into_tensor" and s > 0]
+    gathers = [s for name, s, _ in calls if name == ALL_GATHER_SINGLE and s > 0]
     spacing = 8 // fragments
     assert launches == list(range(spacing, 25, spacing))
     # The all-gather comes at the merge with overlap 1, half-way with more (the schedule's second phase).

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.common import profile_call
+from fabric_multimodel.collectives import ALL_GATHER_SINGLE
 from fabric_multimodel.quantized import (
     CODE_DTYPES,
     FLOAT4_E2M1,
@@ -272,7 +273,7 @@ class Counted:
     """Wraps torch.distributed's collectives for the duration of a ``with``: each call as (name, input bytes,
     output bytes, dtype)."""
 
-    NAMES = ("all_to_all_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
+    NAMES = ("all_to_all_single", ALL_GATHER_SINGLE, "all_gather", "all_reduce", "broadcast")
 
     def __enter__(self) -> list:
         self.calls: list = []
@@ -341,7 +342,7 @@ def check_round(results, world, n, code, block, seed, style):
         assert elements == n + SLOTS * world
         assert calls == [
             ("all_to_all_single", sent, sent, "torch.uint8"),
-            ("all_gather_into_tensor", sent // world, sent, "torch.uint8"),
+            (ALL_GATHER_SINGLE, sent // world, sent, "torch.uint8"),
         ]
 
 
@@ -473,10 +474,29 @@ def round_memory(fabric, code):
     return profile_call(lambda: mean.all_reduce_mean(payload, exact))["peak_extra_bytes"], mean.traffic.bytes
 
 
+def warned_by_a_round(fabric):
+    """The warnings a quantized round and the pacing agreement raise (both gather into one tensor)."""
+    import warnings
+
+    from fabric_multimodel.pacing import gather_step_times
+
+    mean = QuantizedMean(1000, E4M3, "cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mean.all_reduce_mean(torch.randn(1000))
+        gather_step_times(0.01, fabric.device, None)
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_a_round_uses_the_all_gather_this_torch_does_not_deprecate(worlds):
+    # torch 2.13 warns at every call of all_gather_into_tensor: a user would see it at every low-bit round.
+    assert worlds(2).run(warned_by_a_round) == [[], []]
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_in_a_world_only_gloos_all_gather_allocates_during_a_round(worlds, size):
     for peak, sent in worlds(size).run(round_memory, FLOAT4_E2M1):
-        # gloo's all_gather_into_tensor allocates a temporary of its output (NCCL writes in place).
+        # gloo's all-gather into one tensor allocates a temporary of its output (NCCL writes in place).
         assert sent <= peak < sent + 1024, (peak, sent)
 
 
@@ -528,7 +548,7 @@ def failing_collective(fabric, name, when):
     return error, pending, untouched, in_step()
 
 
-@pytest.mark.parametrize("name", ["all_to_all_single", "all_gather_into_tensor"])
+@pytest.mark.parametrize("name", ["all_to_all_single", ALL_GATHER_SINGLE])
 @pytest.mark.parametrize("when", ["launch", "wait"])
 def test_a_failing_collective_raises_its_runtime_error_and_leaves_the_object_idle(worlds, name, when):
     for error, pending, untouched, check in worlds(2).run(failing_collective, name, when):
