@@ -31,18 +31,39 @@ TOLERANCE = 0.05
 
 class PeriodChoice(NamedTuple):
     """What ``period="auto"`` chose and from what: the period, the step and round times (the slowest rank's),
-    and the bytes a round sends per rank."""
+    the bytes a round sends per rank, and the overlap the rounds had.
+
+    A round longer than its overlap waits, and only a long period keeps that wait under the tolerance (at
+    1 Mbit/s it can be longer than the run, which then averages once); the text then says which overlap hides it.
+
+    Example::
+
+        print(PeriodChoice(68, 0.0174, 0.1748, 207_976, overlap_steps=16))  # hidden: no advice
+    """
 
     period: int
     step_s: float
     round_s: float
     round_bytes: int
+    overlap_steps: int = 0
+
+    @property
+    def hiding_overlap(self) -> int:
+        """The fewest overlap steps a round fits in, so that it waits for nothing."""
+        return math.ceil(self.round_s / self.step_s - 1e-9) if self.step_s > 0 else 0
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"period auto: {self.period} (a step {1e3 * self.step_s:.1f} ms, a round of {self.round_bytes:,} bytes"
             f" {1e3 * self.round_s:.1f} ms; rounds at most {TOLERANCE:.0%} of the compute)"
         )
+        waited = self.round_s - self.overlap_steps * self.step_s
+        if self.hiding_overlap > self.overlap_steps:
+            text += (
+                f"; each round waits {1e3 * waited:.1f} ms: overlap_steps >= {self.hiding_overlap} (or a smaller"
+                " comm_dtype) would hide it"
+            )
+        return text
 
 
 def choose_period(

@@ -271,7 +271,7 @@ class Averager:
         groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
         step_s, round_s = agree(step_s, round_s, self._device, groups)
         period = choose_period(max(step_s, 1e-6), round_s, self.fragments, self.overlap_steps)
-        self.period_choice = PeriodChoice(period, step_s, round_s, sent)
+        self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
         self._set_period(period)
 
     def _site_step_times(self) -> list[float]:
@@ -580,7 +580,7 @@ class Averager:
             if steps >= self.warmup_steps:
                 raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no chosen period.")
             return None, gaps
-        choice = PeriodChoice(*saved)
+        choice = PeriodChoice(*saved[:4])._replace(overlap_steps=self.overlap_steps)  # the period is checked below
         period = choice.period
         smallest = self.fragments * (self.overlap_steps + 1)
         if isinstance(period, bool) or not isinstance(period, int) or period < smallest or period % self.fragments:

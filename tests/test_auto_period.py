@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, AveragerConfig, setup_models
-from fabric_multimodel.auto_period import TOLERANCE, choose_period
+from fabric_multimodel.auto_period import TOLERANCE, PeriodChoice, choose_period
 from tests.gan import collectives
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -24,6 +24,19 @@ def overhead(period: int, step_s: float, round_s: float, fragments: int, overlap
     """What a period's rounds add to its compute time, as a share of it."""
     waited = max(0.0, round_s - overlap * step_s)
     return fragments * waited / (period * step_s)
+
+
+@given(step_s=st.floats(1e-3, 2.0), round_s=st.floats(0.0, 60.0), overlap=st.integers(0, 16))
+def test_the_choice_says_which_overlap_would_hide_a_round_that_waits(step_s, round_s, overlap):
+    choice = PeriodChoice(choose_period(step_s, round_s, 4, overlap), step_s, round_s, 1000, overlap)
+    waits = round_s > overlap * step_s * (1 + 1e-9)
+    assert ("would hide it" in str(choice)) == waits, str(choice)
+    if waits:
+        needed = choice.hiding_overlap
+        assert needed * step_s >= round_s * (1 - 1e-9) and (needed - 1) * step_s < round_s
+        assert f"overlap_steps >= {needed} " in str(choice)
+        assert choice._replace(overlap_steps=needed).hiding_overlap <= needed  # and with it, no advice
+        assert "would hide" not in str(choice._replace(overlap_steps=needed))
 
 
 @given(
@@ -88,7 +101,8 @@ def test_period_auto_is_chosen_once_alike_everywhere_and_resumed(worlds, fragmen
     results = worlds(2).run(auto_run, WIDTH, 40, options)
     choices = {result[0] for result in results}
     assert len(choices) == 1  # every rank chose the same, from the slowest rank's figures
-    ((period, step_s, round_s, sent),) = choices
+    ((period, step_s, round_s, sent, overlap),) = choices
+    assert overlap == 0  # blocking rounds: the choice says which overlap would hide them
     parameters = 4 * WIDTH + WIDTH + WIDTH * 4 + 4
     assert step_s >= 0.002 and round_s > 0 and 4 * parameters // (2 * fragments) < sent < 4 * parameters + 1000
     assert period == choose_period(step_s, round_s, fragments)
