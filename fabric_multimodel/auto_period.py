@@ -50,7 +50,7 @@ class PeriodChoice(NamedTuple):
     @property
     def hiding_overlap(self) -> int:
         """The fewest overlap steps a round fits in, so that it waits for nothing."""
-        return math.ceil(self.round_s / self.step_s - 1e-9) if self.step_s > 0 else 0
+        return math.ceil(self.round_s / self.step_s * (1 - 1e-9)) if self.step_s > 0 else 0
 
     def __str__(self) -> str:
         text = (

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -27,16 +27,17 @@ def overhead(period: int, step_s: float, round_s: float, fragments: int, overlap
 
 
 @given(step_s=st.floats(1e-3, 2.0), round_s=st.floats(0.0, 60.0), overlap=st.integers(0, 16))
+@example(step_s=1e-3, round_s=1e-12, overlap=0)  # a round of almost nothing still waits, without overlap
 def test_the_choice_says_which_overlap_would_hide_a_round_that_waits(step_s, round_s, overlap):
+    assume(abs(round_s - overlap * step_s) > 1e-6 * round_s)  # not at the edge, where rounding decides
     choice = PeriodChoice(choose_period(step_s, round_s, 4, overlap), step_s, round_s, 1000, overlap)
-    waits = round_s > overlap * step_s * (1 + 1e-9)
+    waits = round_s > overlap * step_s
     assert ("would hide it" in str(choice)) == waits, str(choice)
     if waits:
         needed = choice.hiding_overlap
-        assert needed * step_s >= round_s * (1 - 1e-9) and (needed - 1) * step_s < round_s
+        assert needed * step_s >= round_s * (1 - 1e-6) and (needed - 1) * step_s < round_s
         assert f"overlap_steps >= {needed} " in str(choice)
-        assert choice._replace(overlap_steps=needed).hiding_overlap <= needed  # and with it, no advice
-        assert "would hide" not in str(choice._replace(overlap_steps=needed))
+        assert "would hide" not in str(choice._replace(overlap_steps=needed))  # with it, no advice
 
 
 @given(
