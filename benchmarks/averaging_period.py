@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -541,47 +542,44 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
     iter_s = floor["wall_s"] / args.steps  # the compute every other run is measured against (until the second)
     rows = [floor]
     modelled = []  # per row: its cost model, waiting for the compute time
-    total = sum(not s.links or b in s.links for b in bandwidths for s in settings)
-    bar = common.Progress("runs", total, every_s=0)
-    for bandwidth in bandwidths:
+    cases = interleave(bandwidths, settings, args.repeats)
+    bar = common.Progress("runs", len(cases), every_s=0)
+    for bandwidth, repeat, setting in cases:
         nominal = parse_rate(bandwidth)
         rate = nominal * site_sweep.TCP_PAYLOAD if nominal else None
-        for setting in settings:
-            if setting.links and bandwidth not in setting.links:
-                continue
-            period = _flag_value(setting.flags, "--period")
-            if period is None:  # --period auto: the smallest it may choose, until the run says what it chose
-                period = setting.fragments * (setting.hidden + 1)
-            model = functools.partial(
-                site_sweep.predict_wall_s,
-                setting,
-                warmup=warmup,
-                period=period,
-                iter_s=iter_s,
-                sites=args.sites,
-                devices=args.devices,
-                parameter_bytes=task_parameter_bytes(task),
-            )
-            steps = args.steps
-            predicted = model(steps=steps, rate_bits=rate)
-            if predicted > budget:  # the guard: fewer steps, said in the row
-                steps = max(10, int(args.steps * budget / predicted) // 10 * 10)
-            try:
-                row = run_on_sites(task, setting, args, bandwidth, seed, runs_dir, steps)
-            except RuntimeError as error:
-                common.progress(f"FAILED {error}")
-                bar.advance(note=f"{bandwidth} {setting.key} failed")
-                continue
-            measured = row["measured_mbit_s"] * 1e6 if row["measured_mbit_s"] else None
-            if row.get("chosen_period"):
-                model = functools.partial(model, period=row["chosen_period"])
-                row["description"] += f": chose {row['chosen_period']}"
-            modelled.append(functools.partial(model, steps=steps, rate_bits=measured if nominal else None))
-            row["model_wall_s"] = modelled[-1]()
-            row["utilisation"] = site_sweep.utilisation(iter_s, steps, row["wall_s"])
-            row["shortened"] = steps < args.steps
-            rows.append(row)
-            bar.advance(note=f"{bandwidth} {setting.key}: {row['wall_s']:.1f} s, utilisation {row['utilisation']:.0%}")
+        period = _flag_value(setting.flags, "--period")
+        if period is None:  # --period auto: the smallest it may choose, until the run says what it chose
+            period = setting.fragments * (setting.hidden + 1)
+        model = functools.partial(
+            site_sweep.predict_wall_s,
+            setting,
+            warmup=warmup,
+            period=period,
+            iter_s=iter_s,
+            sites=args.sites,
+            devices=args.devices,
+            parameter_bytes=task_parameter_bytes(task),
+        )
+        steps = args.steps
+        predicted = model(steps=steps, rate_bits=rate)
+        if predicted > budget:  # the guard: fewer steps, said in the row
+            steps = max(10, int(args.steps * budget / predicted) // 10 * 10)
+        try:
+            row = run_on_sites(task, setting, args, bandwidth, seed, runs_dir, steps, repeat)
+        except RuntimeError as error:
+            common.progress(f"FAILED {error}")
+            bar.advance(note=f"{bandwidth} {setting.key} failed")
+            continue
+        measured = row["measured_mbit_s"] * 1e6 if row["measured_mbit_s"] else None
+        if row.get("chosen_period"):
+            model = functools.partial(model, period=row["chosen_period"])
+            row["description"] += f": chose {row['chosen_period']}"
+        modelled.append(functools.partial(model, steps=steps, rate_bits=measured if nominal else None))
+        row["model_wall_s"] = modelled[-1]()
+        row["utilisation"] = site_sweep.utilisation(iter_s, steps, row["wall_s"])
+        row["shortened"] = steps < args.steps
+        rows.append(row)
+        bar.advance(note=f"{bandwidth} {setting.key}: {row['wall_s']:.1f} s, utilisation {row['utilisation']:.0%}")
     # The machine is shared: the floor runs again at the end, and the faster of the two is the compute every row
     # is measured against (the lower, more conservative utilisation). A quick sweep checks the script, not the
     # machine: one floor.
@@ -598,6 +596,19 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
     report_sites(task, args, info, rows, bandwidths, warmup, name)
 
 
+def interleave(bandwidths: Sequence[str], settings: Sequence[Any], repeats: int) -> list[tuple[str, int, Any]]:
+    """(link, repeat, setting) in the order they run: per link, the repeats one after another, each with the
+    settings in an order rotated by one, so that the machine's drift and a run's place in the order fall on
+    every setting alike. A setting limited to some links (``links``) runs only there."""
+    return [
+        (bandwidth, repeat, setting)
+        for bandwidth in bandwidths
+        for repeat in range(repeats)
+        for setting in [*settings[repeat % len(settings) :], *settings[: repeat % len(settings)]]
+        if not setting.links or bandwidth in setting.links
+    ]
+
+
 def task_parameter_bytes(task: Task) -> int:
     return site_sweep.LM_PARAMETER_BYTES if task is LM else site_sweep.RING_PARAMETER_BYTES
 
@@ -611,10 +622,12 @@ def _flag_value(flags: Sequence[str], flag: str) -> int | None:
 
 
 def run_on_sites(
-    task: Task, setting: Any, args: Any, bandwidth: str, seed: int, runs_dir: Path, steps: int
+    task: Task, setting: Any, args: Any, bandwidth: str, seed: int, runs_dir: Path, steps: int, repeat: int = 0
 ) -> dict[str, Any]:
     """One run of the example as ``--sites`` sites behind ``bandwidth`` (or reuse an identical finished one)."""
     run_dir = runs_dir / f"{bandwidth}-{setting.key.replace('=', '').replace('/', '-')}_seed{seed}"
+    if repeat:
+        run_dir = run_dir.with_name(f"{run_dir.name}_repeat{repeat}")
     script_args = ["--steps", str(steps), "--seed", str(seed), "--out", str(run_dir / "run")]
     if args.checkpoints == "off" or setting.key.startswith("no-comm"):  # the floor is compute alone
         script_args += ["--checkpoint-every", "0"]
@@ -664,9 +677,52 @@ def run_on_sites(
         "metrics": str(metrics),
         "run_s": round(result.wall_s, 1),
         "chosen_period": int(chosen[1]) if chosen else None,
+        "repeat": repeat,
     }
     common.write_json(result_path, {"key": key, "row": row})
     return row
+
+
+def print_repeats_summary(runs: list[dict[str, Any]], repeats: int, lm: bool) -> None:
+    """Per link and setting, the median of its repeats (and their range); on the LM, how often its loss at
+    equal wall-clock was the lowest on its link."""
+    print(
+        f"\nOver {repeats} interleaved repeats: the median (min-max) per link and setting. Lowest at equal"
+        " wall-clock: in how many repeats this setting's loss at equal wall-clock was the lowest on its link (ties"
+        " count for each).\n"
+    )
+    headers = ["link", "setting", "runs", "wall s", "utilisation"]
+    headers += ["val loss", "at equal wall-clock", "lowest at equal wall-clock"] if lm else []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["bandwidth"], r["setting"]), []).append(r)
+
+    def spread(values: list[float], scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+        low, mid, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
+        return f"{mid:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
+
+    table = []
+    for (bandwidth, _), mine in groups.items():
+        line = [bandwidth, mine[0]["description"], len(mine)]
+        line += [spread([r["wall_s"] for r in mine]), spread([r["utilisation"] for r in mine], 100, 0, "%")]
+        if lm:
+            at_equal = [
+                r["val_loss_at_equal_wall"] for r in mine if r["val_loss_at_equal_wall"] == r["val_loss_at_equal_wall"]
+            ]
+            lowest = 0
+            for r in mine:
+                rivals = [
+                    o["val_loss_at_equal_wall"]
+                    for o in runs
+                    if o["bandwidth"] == bandwidth
+                    and o["repeat"] == r["repeat"]
+                    and o["val_loss_at_equal_wall"] == o["val_loss_at_equal_wall"]
+                ]
+                lowest += bool(rivals) and r["val_loss_at_equal_wall"] == min(rivals)
+            line += [spread([r["val_loss"] for r in mine], digits=4)]
+            line += [spread(at_equal, digits=4) if at_equal else "-", f"{lowest}/{len(mine)}"]
+        table.append(line)
+    print(common.markdown_table(headers, table))
 
 
 def report_sites(
@@ -687,9 +743,10 @@ def report_sites(
         reached = site_sweep.time_to_target(Path(row["metrics"]), target) if target is not None else None
         row["time_to_target_s"] = reached if reached is not None else math.nan
         row["model_error"] = row["model_wall_s"] / row["wall_s"] - 1 if row["wall_s"] else math.nan
-    # Equal wall-clock: on each link, every run's latest validation by the time the first run logged its last.
-    for bandwidth in bandwidths:
-        on_link = [r for r in runs if r["bandwidth"] == bandwidth]
+    # Equal wall-clock: on each link, every run's latest validation by the time the first run (of its repeat)
+    # logged its last.
+    for bandwidth, repeat in itertools.product(bandwidths, range(args.repeats)):
+        on_link = [r for r in runs if r["bandwidth"] == bandwidth and r["repeat"] == repeat]
         curves = [site_sweep.read_curve(Path(r["metrics"])) for r in on_link]
         seconds = site_sweep.equal_wall_clock(curves)
         for row, curve in zip(on_link, curves):
@@ -722,7 +779,8 @@ def report_sites(
     )
     # The same setting on an unlimited link: what it costs besides the link (DDP inside a site, the rounds' own work).
     unlimited = {r["setting"]: r["wall_s"] / r["steps"] for r in runs if r["bandwidth"] == "none"}
-    headers = ["link", "setting", "steps", "wall s", "ms/iter mean", "utilisation", "vs unlimited link"]
+    headers = ["link", "setting", *(["repeat"] if args.repeats > 1 else []), "steps", "wall s", "ms/iter mean"]
+    headers += ["utilisation", "vs unlimited link"]
     headers += ["crossing B/iter", "in-site DDP B/iter"]
     headers += (
         ["val loss", "at equal wall-clock", "to target s", "state B/rank"] if task is LM else ["modes", "high quality"]
@@ -733,6 +791,7 @@ def report_sites(
         line = [
             f"{r['bandwidth']} ({r['measured_mbit_s']:.0f} Mbit/s)" if r["measured_mbit_s"] else r["bandwidth"],
             r["description"],
+            *([r["repeat"]] if args.repeats > 1 else []),
             f"{r['steps']:g}" + (" (shortened)" if r["shortened"] else ""),
             f"{r['wall_s']:.1f}",
             f"{r['iter_ms_mean']:.1f}",
@@ -753,13 +812,17 @@ def report_sites(
         line.append(f"{r['model_wall_s']:.1f} ({100 * r['model_error']:+.0f}%)")
         table.append(line)
     print(common.markdown_table(headers, table))
+    if args.repeats > 1:
+        print_repeats_summary(runs, args.repeats, task is LM)
     csv_path = common.write_csv(args.out / f"{name}.csv", runs)
     common.write_json(args.out / f"{name}.json", {"machine": info, "args": vars(args), "rows": rows, "target": target})
     plt = common.pyplot() if task is LM else None
     if plt is not None:
         curves = {
             bandwidth: {
-                r["description"]: site_sweep.read_curve(Path(r["metrics"])) for r in runs if r["bandwidth"] == bandwidth
+                r["description"]: site_sweep.read_curve(Path(r["metrics"]))
+                for r in runs
+                if r["bandwidth"] == bandwidth and r["repeat"] == 0  # with --repeats, the first of each
             }
             for bandwidth in bandwidths
         }
@@ -825,10 +888,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="with --sites: the examples' default checkpoint policy (every 10%% of the steps), or none",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --sites: runs of each setting on each link, interleaved; the report adds their medians",
+    )
+    p.add_argument(
         "--run-budget", type=float, default=None, help="with --sites: seconds a run may take before it is shortened"
     )
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--` (e.g. -- --batch-size 32)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
     task = TASKS[args.task]

@@ -202,6 +202,48 @@ def test_runs_compare_at_the_first_ones_last_validation():
 # --- averaging_period -------------------------------------------------------------------------
 
 
+def test_repeats_interleave_in_rotated_orders_and_skip_links_a_setting_does_not_run_on():
+    from benchmarks.averaging_period import interleave
+    from benchmarks.site_sweep import SiteSetting
+
+    a, b, c = (SiteSetting(key, key, ()) for key in "abc")
+    only_slow = c._replace(links=("10mbit",))
+    cases = interleave(["none", "10mbit"], [a, b, only_slow], repeats=3)
+    order = [(link, repeat, setting.key) for link, repeat, setting in cases]
+    assert order == [
+        ("none", 0, "a"), ("none", 0, "b"),
+        ("none", 1, "b"), ("none", 1, "a"),
+        ("none", 2, "a"), ("none", 2, "b"),
+        ("10mbit", 0, "a"), ("10mbit", 0, "b"), ("10mbit", 0, "c"),
+        ("10mbit", 1, "b"), ("10mbit", 1, "c"), ("10mbit", 1, "a"),
+        ("10mbit", 2, "c"), ("10mbit", 2, "a"), ("10mbit", 2, "b"),
+    ]  # fmt: skip
+
+
+def test_the_repeats_summary_reports_medians_and_how_often_each_setting_was_lowest_at_equal_wall_clock(capsys):
+    from benchmarks.averaging_period import print_repeats_summary
+
+    def run(setting, repeat, wall, at_equal):
+        return {
+            "bandwidth": "10mbit", "setting": setting, "description": setting, "repeat": repeat, "wall_s": wall,
+            "utilisation": 36.0 / wall, "val_loss": 1.6, "val_loss_at_equal_wall": at_equal,
+        }  # fmt: skip
+
+    runs = [
+        run("fixed", 0, 40.0, 1.70), run("auto", 0, 44.0, 1.66),
+        run("auto", 1, 39.0, 1.65), run("fixed", 1, 45.0, 1.65),  # a tie counts for both
+        run("fixed", 2, 42.0, 1.64), run("auto", 2, 41.0, math.nan),  # no validation by then: no part
+    ]  # fmt: skip
+    print_repeats_summary(runs, repeats=3, lm=True)
+    (table,) = markdown_tables(capsys.readouterr().out)
+    rows = {row["setting"]: row for row in table}
+    assert rows["auto"]["wall s"] == "41.0 (39.0-44.0)" and rows["fixed"]["wall s"] == "42.0 (40.0-45.0)"
+    assert rows["auto"]["utilisation"] == "88% (82-92)"
+    assert rows["auto"]["at equal wall-clock"] == "1.6550 (1.6500-1.6600)"
+    assert (rows["auto"]["lowest at equal wall-clock"], rows["fixed"]["lowest at equal wall-clock"]) == ("2/3", "2/3")
+    assert rows["auto"]["runs"] == "3"
+
+
 def test_averaging_period_quick(tmp_path):
     stdout = run_script("averaging_period", tmp_path)
     (table,) = markdown_tables(stdout)
