@@ -685,42 +685,41 @@ def run_on_sites(
 
 def print_repeats_summary(runs: list[dict[str, Any]], repeats: int, lm: bool) -> None:
     """Per link and setting, the median of its repeats (and their range); on the LM, how often its loss at
-    equal wall-clock was the lowest on its link."""
+    equal wall-clock (the latest logged, and interpolated) was the lowest on its link."""
     print(
-        f"\nOver {repeats} interleaved repeats: the median (min-max) per link and setting. Lowest at equal"
-        " wall-clock: in how many repeats this setting's loss at equal wall-clock was the lowest on its link (ties"
-        " count for each).\n"
+        f"\nOver {repeats} interleaved repeats: the median (min-max) per link and setting. Lowest: in how many"
+        " repeats this setting's loss at equal wall-clock was the lowest on its link (ties count for each).\n"
     )
     headers = ["link", "setting", "runs", "wall s", "utilisation"]
-    headers += ["val loss", "at equal wall-clock", "lowest at equal wall-clock"] if lm else []
+    if lm:
+        headers += ["val loss", "at equal wall-clock", "lowest", "interpolated", "lowest (interpolated)"]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["bandwidth"], r["setting"]), []).append(r)
 
     def spread(values: list[float], scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+        values = [v for v in values if v == v]
+        if not values:
+            return "-"
         low, mid, high = (scale * v for v in (min(values), statistics.median(values), max(values)))
         return f"{mid:.{digits}f}{unit} ({low:.{digits}f}-{high:.{digits}f})"
 
+    def lowest(mine: list[dict[str, Any]], key: str) -> str:
+        count = 0
+        for r in mine:
+            rivals = [o[key] for o in runs if (o["bandwidth"], o["repeat"]) == (r["bandwidth"], r["repeat"])]
+            rivals = [v for v in rivals if v == v]
+            count += bool(rivals) and r[key] == min(rivals)
+        return f"{count}/{len(mine)}"
+
     table = []
-    for (bandwidth, _), mine in groups.items():
-        line = [bandwidth, mine[0]["description"], len(mine)]
+    for mine in groups.values():
+        line = [mine[0]["bandwidth"], mine[0]["description"], len(mine)]
         line += [spread([r["wall_s"] for r in mine]), spread([r["utilisation"] for r in mine], 100, 0, "%")]
         if lm:
-            at_equal = [
-                r["val_loss_at_equal_wall"] for r in mine if r["val_loss_at_equal_wall"] == r["val_loss_at_equal_wall"]
-            ]
-            lowest = 0
-            for r in mine:
-                rivals = [
-                    o["val_loss_at_equal_wall"]
-                    for o in runs
-                    if o["bandwidth"] == bandwidth
-                    and o["repeat"] == r["repeat"]
-                    and o["val_loss_at_equal_wall"] == o["val_loss_at_equal_wall"]
-                ]
-                lowest += bool(rivals) and r["val_loss_at_equal_wall"] == min(rivals)
             line += [spread([r["val_loss"] for r in mine], digits=4)]
-            line += [spread(at_equal, digits=4) if at_equal else "-", f"{lowest}/{len(mine)}"]
+            for key in ("val_loss_at_equal_wall", "val_loss_at_equal_wall_interpolated"):
+                line += [spread([r[key] for r in mine], digits=4), lowest(mine, key)]
         table.append(line)
     print(common.markdown_table(headers, table))
 
@@ -750,9 +749,11 @@ def report_sites(
         curves = [site_sweep.read_curve(Path(r["metrics"])) for r in on_link]
         seconds = site_sweep.equal_wall_clock(curves)
         for row, curve in zip(on_link, curves):
-            loss = site_sweep.loss_by(curve, seconds) if seconds is not None else None
+            logged = site_sweep.loss_by(curve, seconds) if seconds is not None else None
+            between = site_sweep.loss_interpolated(curve, seconds) if seconds is not None else None
             row["equal_wall_s"] = seconds if seconds is not None else math.nan
-            row["val_loss_at_equal_wall"] = loss if loss is not None else math.nan
+            row["val_loss_at_equal_wall"] = logged if logged is not None else math.nan
+            row["val_loss_at_equal_wall_interpolated"] = between if between is not None else math.nan
     print(f"# Averaging across {args.sites} simulated sites, task {task.name}{' (QUICK)' if args.quick else ''}\n")
     print(common.machine_line(info, sites=args.sites, processes_per_site=args.devices, steps=args.steps))
     policy = "every 10% of the steps (the examples' default)" if args.checkpoints == "default" else "off"
@@ -771,7 +772,8 @@ def report_sites(
         + (f" Target: validation loss {target:.4f} (synchronous DDP at step {args.steps // 2})." if target else "")
         + (
             " At equal wall-clock: each run's latest validation loss by the time the first run on its link logged"
-            " its last."
+            " its last; interpolated: linear between the validations either side of that moment (the latest can be"
+            " a whole validation interval old)."
             if task is LM
             else ""
         )
@@ -783,7 +785,9 @@ def report_sites(
     headers += ["utilisation", "vs unlimited link"]
     headers += ["crossing B/iter", "in-site DDP B/iter"]
     headers += (
-        ["val loss", "at equal wall-clock", "to target s", "state B/rank"] if task is LM else ["modes", "high quality"]
+        ["val loss", "at equal wall-clock", "interpolated", "to target s", "state B/rank"]
+        if task is LM
+        else ["modes", "high quality"]
     )
     headers += ["model wall s (error)"]
     table = []
@@ -802,9 +806,10 @@ def report_sites(
         ]
         if task is LM:
             reached = r["time_to_target_s"]
-            at_equal = r["val_loss_at_equal_wall"]
+            at_equal, between = r["val_loss_at_equal_wall"], r["val_loss_at_equal_wall_interpolated"]
             line += [f"{r['val_loss']:.4f}"]
             line += [f"{at_equal:.4f} ({r['equal_wall_s']:.0f} s)" if at_equal == at_equal else "-"]
+            line += [f"{between:.4f}" if between == between else "-"]
             line += [f"{reached:.1f}" if reached == reached else "not reached"]
             line += [f"{r['state_bytes']:,.0f}"]
         else:

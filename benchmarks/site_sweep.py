@@ -242,6 +242,20 @@ def loss_by(curve: list[tuple[float, float, int]], seconds: float) -> float | No
     return by[-1] if by else None
 
 
+def loss_interpolated(curve: list[tuple[float, float, int]], seconds: float) -> float | None:
+    """The validation loss of ``curve`` at ``seconds``, linear between the validations logged either side (the
+    last one's at or after it; None before the first). Finer than :func:`loss_by`, which can be a whole
+    validation interval old: on the LM at 2000 steps that is 100 steps, more than a period's gain."""
+    before = [(elapsed, loss) for elapsed, loss, _ in curve if elapsed <= seconds]
+    after = [(elapsed, loss) for elapsed, loss, _ in curve if elapsed > seconds]
+    if not before:
+        return None
+    if not after:
+        return before[-1][1]
+    (t0, l0), (t1, l1) = before[-1], after[0]
+    return l0 + (l1 - l0) * (seconds - t0) / (t1 - t0)
+
+
 def equal_wall_clock(curves: list[list[tuple[float, float, int]]]) -> float | None:
     """When the first of these runs logged its last validation: the time at which all of them can be compared."""
     ends = [curve[-1][0] for curve in curves if curve]

@@ -199,6 +199,15 @@ def test_runs_compare_at_the_first_ones_last_validation():
     assert loss_by(slow, 9.9) is None and equal_wall_clock([[], []]) is None
 
 
+def test_the_loss_at_equal_wall_clock_interpolates_between_the_validations_either_side():
+    from benchmarks.site_sweep import loss_interpolated
+
+    curve = [(10.0, 2.0, 100), (20.0, 1.8, 200), (30.0, 1.7, 300)]
+    assert loss_interpolated(curve, 25.0) == pytest.approx(1.75)
+    assert loss_interpolated(curve, 20.0) == 1.8 and loss_interpolated(curve, 31.0) == 1.7
+    assert loss_interpolated(curve, 9.0) is None and loss_interpolated([], 9.0) is None
+
+
 # --- averaging_period -------------------------------------------------------------------------
 
 
@@ -223,16 +232,17 @@ def test_repeats_interleave_in_rotated_orders_and_skip_links_a_setting_does_not_
 def test_the_repeats_summary_reports_medians_and_how_often_each_setting_was_lowest_at_equal_wall_clock(capsys):
     from benchmarks.averaging_period import print_repeats_summary
 
-    def run(setting, repeat, wall, at_equal):
+    def run(setting, repeat, wall, at_equal, between):
         return {
             "bandwidth": "10mbit", "setting": setting, "description": setting, "repeat": repeat, "wall_s": wall,
             "utilisation": 36.0 / wall, "val_loss": 1.6, "val_loss_at_equal_wall": at_equal,
+            "val_loss_at_equal_wall_interpolated": between,
         }  # fmt: skip
 
     runs = [
-        run("fixed", 0, 40.0, 1.70), run("auto", 0, 44.0, 1.66),
-        run("auto", 1, 39.0, 1.65), run("fixed", 1, 45.0, 1.65),  # a tie counts for both
-        run("fixed", 2, 42.0, 1.64), run("auto", 2, 41.0, math.nan),  # no validation by then: no part
+        run("fixed", 0, 40.0, 1.70, 1.70), run("auto", 0, 44.0, 1.66, 1.64),
+        run("auto", 1, 39.0, 1.65, 1.63), run("fixed", 1, 45.0, 1.65, 1.65),  # a tie counts for both
+        run("fixed", 2, 42.0, 1.64, 1.64), run("auto", 2, 41.0, math.nan, math.nan),  # none by then: no part
     ]  # fmt: skip
     print_repeats_summary(runs, repeats=3, lm=True)
     (table,) = markdown_tables(capsys.readouterr().out)
@@ -240,7 +250,9 @@ def test_the_repeats_summary_reports_medians_and_how_often_each_setting_was_lowe
     assert rows["auto"]["wall s"] == "41.0 (39.0-44.0)" and rows["fixed"]["wall s"] == "42.0 (40.0-45.0)"
     assert rows["auto"]["utilisation"] == "88% (82-92)"
     assert rows["auto"]["at equal wall-clock"] == "1.6550 (1.6500-1.6600)"
-    assert (rows["auto"]["lowest at equal wall-clock"], rows["fixed"]["lowest at equal wall-clock"]) == ("2/3", "2/3")
+    assert rows["auto"]["interpolated"] == "1.6350 (1.6300-1.6400)"
+    assert (rows["auto"]["lowest"], rows["fixed"]["lowest"]) == ("2/3", "2/3")
+    assert (rows["auto"]["lowest (interpolated)"], rows["fixed"]["lowest (interpolated)"]) == ("2/3", "1/3")
     assert rows["auto"]["runs"] == "3"
 
 
@@ -334,6 +346,7 @@ def test_averaging_period_across_sites_quick(tmp_path):
     # At equal wall-clock: both when streaming (the faster) logged its last validation, its own final loss.
     assert sync["equal_wall_s"] == streaming["equal_wall_s"] and float(streaming["equal_wall_s"]) > 0
     assert float(streaming["val_loss_at_equal_wall"]) == pytest.approx(float(streaming["val_loss"]), abs=1e-4)
+    assert float(streaming["val_loss_at_equal_wall_interpolated"]) == float(streaming["val_loss_at_equal_wall"])
     assert (tmp_path / "averaging_period_lm_sites.png").is_file()
     assert len(table) == 2 and table[0]["link"].startswith("10mbit")
     assert all(row["at equal wall-clock"].endswith(" s)") for row in table)
