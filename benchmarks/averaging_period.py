@@ -562,7 +562,9 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
         )
         steps = args.steps
         predicted = model(steps=steps, rate_bits=rate)
-        if predicted > budget:  # the guard: fewer steps, said in the row
+        # The guard: fewer steps, said in the row; not where the overlap is chosen to hide the rounds, which the
+        # model cannot know before the run says what it chose.
+        if predicted > budget and _flag_value(setting.flags, "--overlap-steps") is not None:
             steps = max(10, int(args.steps * budget / predicted) // 10 * 10)
         try:
             row = run_on_sites(task, setting, args, bandwidth, seed, runs_dir, steps, repeat)
@@ -571,9 +573,13 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
             bar.advance(note=f"{bandwidth} {setting.key} failed")
             continue
         measured = row["measured_mbit_s"] * 1e6 if row["measured_mbit_s"] else None
+        overlap_chosen = row.get("chosen_overlap") and _flag_value(setting.flags, "--overlap-steps") is None
+        if overlap_chosen:
+            model = functools.partial(model.func, setting._replace(hidden=row["chosen_overlap"]), **model.keywords)
         if row.get("chosen_period"):
             model = functools.partial(model, period=row["chosen_period"])
-            row["description"] += f": chose {row['chosen_period']}"
+            chose = f"{row['chosen_period']}" + (f", overlap {row['chosen_overlap']}" if overlap_chosen else "")
+            row["description"] += f": chose {chose}"
         modelled.append(functools.partial(model, steps=steps, rate_bits=measured if nominal else None))
         row["model_wall_s"] = modelled[-1]()
         row["utilisation"] = site_sweep.utilisation(iter_s, steps, row["wall_s"])
@@ -660,7 +666,7 @@ def run_on_sites(
         tail = "\n".join(result.logs[0][1].read_text().strip().splitlines()[-10:])
         raise RuntimeError(f"{bandwidth} {setting.key}: {error}; logs in {run_dir}\n{tail}") from None
     comm = _comm_line(stdout)
-    chosen = re.search(r"^period auto: (\d+) ", stdout, re.MULTILINE)
+    chosen = re.search(r"^period auto: (\d+) \((?:overlap (\d+);)?", stdout, re.MULTILINE)
     crossing = comm.get("round_bytes", 0.0) + (0.0 if setting.islands else comm.get("ddp_bytes", 0.0))
     metrics = next((run_dir / "run").glob("logs/version_*/metrics.csv"), run_dir / "missing.csv")
     row = {
@@ -677,6 +683,7 @@ def run_on_sites(
         "metrics": str(metrics),
         "run_s": round(result.wall_s, 1),
         "chosen_period": int(chosen[1]) if chosen else None,
+        "chosen_overlap": int(chosen[2]) if chosen and chosen[2] else None,
         "repeat": repeat,
     }
     common.write_json(result_path, {"key": key, "row": row})

@@ -118,6 +118,16 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             fragments=4,
             links=("none", "100mbit", "10mbit", "1mbit"),
         ),
+        # The overlap chosen too (--overlap-steps auto): the steps a round needs, then the shortest period.
+        SiteSetting(
+            "default=auto-overlap",
+            "streaming DiLoCo, period and overlap auto (F=4), default layout",
+            run("auto", "--fragments", "4", "--overlap-steps", "auto"),
+            hidden=1,  # until the run says what it chose
+            islands=True,
+            fragments=4,
+            links=("none", "100mbit", "10mbit", "1mbit"),
+        ),
         SiteSetting(
             "default=128-fp4",
             "streaming DiLoCo 128, fp4, default layout",

@@ -100,13 +100,19 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     g = p.add_argument_group("averaging (local SGD and DiLoCo)")
     g.add_argument(
         "--period",
-        type=_period,
+        type=_steps_or_auto,
         default=0,
         help="0: synchronous DDP; N: average every N steps after warm-up; auto: the smallest period whose rounds hide"
         " behind compute, chosen at the end of warm-up from the measured step and link",
     )
     g.add_argument("--warmup-steps", type=int, default=warmup_steps, help="synchronous steps before local steps")
-    g.add_argument("--overlap-steps", type=int, default=0, help="merge each round this many steps after its launch")
+    g.add_argument(
+        "--overlap-steps",
+        type=_steps_or_auto,
+        default=0,
+        help="merge each round this many steps after its launch; auto (with --period auto): the steps a round needs,"
+        " measured at the end of warm-up, then the smallest period they allow",
+    )
     g.add_argument("--outer", choices=["none", "nesterov"], default="none", help="nesterov: DiLoCo's outer step")
     g.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
     g.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
@@ -159,7 +165,7 @@ def _word_or(word: str, number: Callable[[str], Any], what: str) -> Callable[[st
     return parse
 
 
-_period = _word_or("auto", int, "a whole number of steps")
+_steps_or_auto = _word_or("auto", int, "a whole number of steps")
 _mixing = _word_or("progress", float, "a number in [0, 1]")
 
 
@@ -218,6 +224,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     auto = args.period == "auto"
     if auto and (args.warmup_steps < 2 or args.node_period):
         p.error("--period auto times the warm-up's steps: it needs --warmup-steps 2 or more, and no --node-period")
+    if args.overlap_steps == "auto" and not auto:
+        p.error("--overlap-steps auto is chosen with the period: it needs --period auto (or give a number of steps)")
     for flag, minimum in minimums.items():
         value = getattr(args, flag, None)
         if value is not None and value != "auto" and value < minimum:

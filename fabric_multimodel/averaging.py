@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import as_module_list, check_optimizers, check_placement
-from fabric_multimodel.auto_period import PeriodChoice, agree, choose_period, time_round
+from fabric_multimodel.auto_period import PeriodChoice, agree, choose_overlap, choose_period, time_round
 from fabric_multimodel.builder import build_rounds
 from fabric_multimodel.collectives import (
     ProcessGroup,
@@ -77,7 +77,8 @@ class Averager:
       :mod:`fabric_multimodel.quantized`); ``error_feedback=True`` adds back what each rank's
       quantization dropped (one more fp32 copy of the averaged tensors, in ``state_dict``);
     - ``overlap_steps=k``: a round's allreduce is launched at its step and merged ``k`` steps later,
-      keeping the local progress made meanwhile (see below);
+      keeping the local progress made meanwhile (see below); ``overlap_steps="auto"`` with ``period="auto"``
+      chooses ``k`` from the measured round first (:func:`~fabric_multimodel.auto_period.choose_overlap`);
     - ``fragments=F``: streaming rounds (Streaming DiLoCo): the averaged parameters split into ``F``
       fragments, and each round sends one of them (see below).
 
@@ -211,7 +212,7 @@ class Averager:
         self.sharded = placement.sharded
         #: True when the modules synchronise inside each node (DDP, or FSDP2 shards) and rounds average across nodes.
         self.islands = placement.islands
-        self.warmup_steps, self.overlap_steps = config.warmup_steps, config.overlap_steps
+        self.warmup_steps, self.overlap_steps = config.warmup_steps, config.first_overlap
         self.average_buffers, self.node_period = config.average_buffers, config.node_period
         self.process_group, self.node_group = process_group, node_group
         names = list(modules._fields) if isinstance(modules, Models) else None
@@ -270,6 +271,8 @@ class Averager:
         round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
         groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
         step_s, round_s = agree(step_s, round_s, self._device, groups)
+        if self.config.overlap_steps == "auto":
+            self.overlap_steps = choose_overlap(max(step_s, 1e-6), round_s)
         period = choose_period(max(step_s, 1e-6), round_s, self.fragments, self.overlap_steps)
         self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
         self._set_period(period)
@@ -552,7 +555,8 @@ class Averager:
             self._step_gaps, self._last_step = gaps, None
         if self.config.period == "auto":
             self.period_choice = choice
-            self._set_period(choice.period if choice else self.period)
+            self.overlap_steps = choice.overlap_steps if choice else self.config.first_overlap
+            self._set_period(choice.period if choice else self.fragments * (self.overlap_steps + 1))
         if pace is not None:
             self._set_pace(pace)
         if saved_by not in (None, self.replica.index) and self.local:
@@ -580,9 +584,18 @@ class Averager:
             if steps >= self.warmup_steps:
                 raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no chosen period.")
             return None, gaps
-        choice = PeriodChoice(*saved[:4])._replace(overlap_steps=self.overlap_steps)  # the period is checked below
+        overlap = self.overlap_steps
+        if self.config.overlap_steps == "auto":  # chosen with the period: the state's
+            saved_overlap = saved[4] if len(saved) > 4 else None
+            if isinstance(saved_overlap, bool) or not isinstance(saved_overlap, int) or saved_overlap < 1:
+                raise ValueError(
+                    f"Averager.load_state_dict: overlap_steps='auto' needs the chosen overlap in the state's"
+                    f" `period_choice`, found {saved_overlap!r}; it was saved with another overlap: give that one."
+                )
+            overlap = saved_overlap
+        choice = PeriodChoice(*saved[:4])._replace(overlap_steps=overlap)  # the period is checked below
         period = choice.period
-        smallest = self.fragments * (self.overlap_steps + 1)
+        smallest = self.fragments * (overlap + 1)
         if isinstance(period, bool) or not isinstance(period, int) or period < smallest or period % self.fragments:
             raise ValueError(
                 f"Averager.load_state_dict: `period_choice` holds period {period!r}; with these fragments and overlap"

@@ -66,8 +66,8 @@ def build_rounds(
     tensors, names, n_params = averaged_tensors(modules, config.average_buffers, model_names)
     groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
     # period="auto" is chosen at the end of warm-up; until then the smallest one the fragments and overlap allow.
-    period = config.period if isinstance(config.period, int) else len(groups) * (config.overlap_steps + 1)
-    check_fragments(len(groups), period, config.overlap_steps, optimizers)
+    period = config.period if isinstance(config.period, int) else len(groups) * (config.first_overlap + 1)
+    check_fragments(len(groups), period, config.first_overlap, optimizers)
     # Each fragment's parameters next to each other in the flat storage (buffers last, with the last fragment),
     # so that a fragment is one range of each flat buffer. Fragments are cut by the whole parameters, so that
     # every rank of a site cuts the same; a round averages what this rank holds of each.
@@ -112,7 +112,7 @@ def _round(
     node: ProcessGroup,
 ) -> Round:
     """The kind of round the options ask for."""
-    overlap, check_finite, mixing = config.overlap_steps > 0, config.check_finite, config.mixing
+    overlap, check_finite, mixing = config.overlap_steps != 0, config.check_finite, config.mixing
     if config.outer_optimizer is None and config.comm_dtype is None:
         return MeanRound(
             storage, group, parts=parts, overlap=overlap, check_finite=check_finite, mixing=mixing, node_group=node

@@ -44,7 +44,8 @@ class AveragerConfig:
         outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
         comm_dtype: the floating dtype of the payload; None sends the parameters' own dtype.
         error_feedback: with a low-bit ``comm_dtype``, add back what each rank's quantization dropped.
-        overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch.
+        overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch; ``"auto"`` (with
+            ``period="auto"``): the steps a round needs, measured, then the smallest period they allow.
         fragments: 1 for rounds of everything; ``F`` (or a list of parameter groups) for streaming rounds.
         mixing: None to keep the local progress in overlapped merges; ``a`` in [0, 1] to mix.
         check_finite: raise on every rank when a round's payload holds NaN or Inf.
@@ -65,7 +66,7 @@ class AveragerConfig:
     outer_optimizer: OuterOptimizerFactory | None = None
     comm_dtype: torch.dtype | None = None
     error_feedback: bool = False
-    overlap_steps: int = 0
+    overlap_steps: int | str = 0
     fragments: Fragments = 1
     mixing: float | None = None
     check_finite: bool = True
@@ -93,6 +94,12 @@ class AveragerConfig:
             hint = f"; to give the period, write period={config!r}" if isinstance(config, int) else ""
             raise TypeError(f"{caller}: `config` must be an AveragerConfig, got {type(config).__name__}{hint}.")
         return dataclasses.replace(config, **options)
+
+    @property
+    def first_overlap(self) -> int:
+        """The overlap until one is chosen: ``overlap_steps``, or 1 with ``overlap_steps="auto"`` (chosen with the
+        period at the end of warm-up)."""
+        return self.overlap_steps if isinstance(self.overlap_steps, int) else 1
 
     def __str__(self) -> str:
         """The fields that differ from their defaults, on one line: ``period=128 fragments=4 ...``."""
@@ -133,7 +140,14 @@ def _short(value: Any) -> str:
 
 def _check(config: AveragerConfig, caller: str = "Averager") -> None:
     check_int("warmup_steps", config.warmup_steps, minimum=0, caller=caller)
-    check_int("overlap_steps", config.overlap_steps, minimum=0, caller=caller)
+    if config.overlap_steps == "auto":
+        if config.period != "auto":
+            raise ValueError(
+                f"{caller}: `overlap_steps='auto'` is chosen with the period, from the measured step and link: it"
+                f" needs `period='auto'` (got {config.period!r}); or give overlap_steps as a number."
+            )
+    else:
+        check_int("overlap_steps", config.overlap_steps, minimum=0, caller=caller)
     if config.period == "auto":
         if config.warmup_steps < 2 or config.node_period is not None:
             raise ValueError(
@@ -146,7 +160,7 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
         flag = getattr(config, name)
         if not isinstance(flag, bool):
             raise TypeError(f"{caller}: `{name}` must be True or False, got {flag!r}.")
-    if isinstance(config.period, int) and config.overlap_steps >= config.period:
+    if isinstance(config.period, int) and config.first_overlap >= config.period:
         raise ValueError(
             f"{caller}: `overlap_steps` ({config.overlap_steps}) must be smaller than `period` ({config.period}), so"
             " that a round is merged before the next one starts."

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, AveragerConfig, setup_models
-from fabric_multimodel.auto_period import TOLERANCE, PeriodChoice, choose_period
+from fabric_multimodel.auto_period import HEADROOM, TOLERANCE, PeriodChoice, choose_overlap, choose_period
 from tests.gan import collectives
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -59,12 +59,26 @@ def test_the_chosen_period_is_the_smallest_that_hides_its_rounds(step_s, round_s
     assert period == fragments * (overlap + 1) or not fits(period - fragments)  # nothing smaller fits
 
 
+@given(step_s=st.floats(1e-4, 2.0), round_s=st.floats(0.0, 60.0), fragments=st.sampled_from([1, 2, 4, 8]))
+def test_an_overlap_chosen_from_the_link_hides_its_round_and_allows_the_shortest_period(step_s, round_s, fragments):
+    overlap = choose_overlap(step_s, round_s)
+    needed = HEADROOM * round_s
+    assert overlap >= 1 and overlap * step_s >= needed * (1 - 1e-9)
+    assert overlap == 1 or (overlap - 1) * step_s < needed * (1 + 1e-9)  # no longer than it must be
+    # Hidden with room to spare, so the period is the shortest that overlap allows, and the text gives no advice.
+    period = choose_period(step_s, round_s, fragments, overlap)
+    assert period == fragments * (overlap + 1)
+    assert "would hide" not in str(PeriodChoice(period, step_s, round_s, 1000, overlap))
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         ({"period": "auto", "warmup_steps": 1}, "needs `warmup_steps` >= 2"),
         ({"period": "auto", "warmup_steps": 4, "node_period": 2}, "no `node_period`"),
         ({"period": "fast"}, "`period` must be an int"),
+        ({"period": 8, "overlap_steps": "auto"}, "`overlap_steps='auto'` is chosen with the period"),
+        ({"period": "auto", "warmup_steps": 4, "overlap_steps": "soon"}, "`overlap_steps` must be an int"),
     ],
 )
 def test_period_auto_needs_a_warmup_to_time(options, message):
@@ -93,20 +107,23 @@ def auto_run(fabric, width: int, steps: int, options: dict):
         state = averager.state_dict()
     again = Averager(fabric, model, period="auto", **options)
     loaded = collectives(again.load_state_dict, state)
-    return averager.period_choice, counted, rounds, again.period, loaded
+    return averager.period_choice, counted, rounds, (again.period, again.overlap_steps), loaded
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_period_auto_is_chosen_once_alike_everywhere_and_resumed(worlds, fragments):
-    options = {"warmup_steps": 3, "outer_optimizer": NESTEROV, "fragments": fragments}
+@pytest.mark.parametrize("fragments, overlap_steps", [(1, 0), (2, 0), (2, "auto")])
+def test_period_auto_is_chosen_once_alike_everywhere_and_resumed(worlds, fragments, overlap_steps):
+    options = {"warmup_steps": 3, "outer_optimizer": NESTEROV, "fragments": fragments, "overlap_steps": overlap_steps}
     results = worlds(2).run(auto_run, WIDTH, 40, options)
     choices = {result[0] for result in results}
     assert len(choices) == 1  # every rank chose the same, from the slowest rank's figures
     ((period, step_s, round_s, sent, overlap),) = choices
-    assert overlap == 0  # blocking rounds: the choice says which overlap would hide them
     parameters = 4 * WIDTH + WIDTH + WIDTH * 4 + 4
     assert step_s >= 0.002 and round_s > 0 and 4 * parameters // (2 * fragments) < sent < 4 * parameters + 1000
-    assert period == choose_period(step_s, round_s, fragments)
+    if overlap_steps == "auto":  # the overlap first, from the same figures, then the shortest period it allows
+        assert overlap == choose_overlap(step_s, round_s) and period == fragments * (overlap + 1)
+    else:  # blocking rounds: the choice says which overlap would hide them
+        assert overlap == 0
+    assert period == choose_period(step_s, round_s, fragments, overlap)
     for _, counted, rounds, resumed, loaded in results:
         # The choice: a lined-up, timed allreduce of a round's size, twice (4), and one allreduce of the figures.
         names = [name for name, _ in counted]
@@ -114,4 +131,34 @@ def test_period_auto_is_chosen_once_alike_everywhere_and_resumed(worlds, fragmen
         assert [n for name, n in counted if n * 4 >= sent // 2] and len(counted) == 5
         spacing = period // fragments
         assert rounds == [s for s in range(4, 41) if (s - 3) % spacing == 0], (period, rounds)
-        assert resumed == period and loaded == []
+        assert resumed == (period, overlap) and loaded == []
+
+
+def load_choices(fabric, saved_choices: list):
+    """A state whose ``period_choice`` is each of ``saved_choices`` loaded into an Averager with
+    overlap_steps="auto": the period and overlap it schedules, or the error."""
+    torch.manual_seed(0)
+    (model,) = setup_models(fabric, m=nn.Linear(4, 4))
+    options = {"period": "auto", "warmup_steps": 3, "fragments": 2, "overlap_steps": "auto"}
+    state = Averager(fabric, model, **options).state_dict()
+    out = []
+    for saved in saved_choices:
+        averager = Averager(fabric, model, **options)
+        try:
+            averager.load_state_dict(
+                {**state, "steps": 10, "rounds": 2, "period_choice": saved, "warmup_step_s": [0.1]}
+            )
+            out.append((averager.period, averager.overlap_steps, averager.schedule.overlap_steps))
+        except ValueError as error:
+            out.append(str(error))
+    return out
+
+
+def test_a_chosen_overlap_is_resumed_from_the_state(worlds):
+    chosen = [12, 0.01, 0.04, 1000, 5]  # period 12 = 2 fragments x (overlap 5 + 1)
+    older = chosen[:4]  # saved before the overlap was part of the choice
+    too_short = [8, 0.01, 0.04, 1000, 5]  # a period the overlap does not fit in
+    resumed, missing, refused = worlds(2).run(load_choices, [chosen, older, too_short])[0]
+    assert resumed == (12, 5, 5)
+    assert "needs the chosen overlap" in missing and "found None" in missing
+    assert "a multiple of 2 of at least 12" in refused

@@ -309,6 +309,8 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--shard", "node"], "--shard node needs --period"),
         (["--period", "auto", "--warmup-steps", "1"], "--period auto times the warm-up's steps"),
         (["--period", "soon"], "a whole number of steps or 'auto'"),
+        (["--period", "8", "--overlap-steps", "auto"], "--overlap-steps auto is chosen with the period"),
+        (["--period", "auto", "--overlap-steps", "soon"], "a whole number of steps or 'auto'"),
         (["--shard", "node", "--period", "4", "--layout", "flat"], "drop --layout flat"),
         (["--shard", "node", "--period", "4"], "start several (--devices N), this run has one"),
         (["--layout", "islands", "--period", "4"], "need several processes (--devices N)"),
