@@ -561,10 +561,11 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
             parameter_bytes=task_parameter_bytes(task),
         )
         steps = args.steps
+        overlap_auto = _flag_value(setting.flags, "--overlap-steps") is None
         predicted = model(steps=steps, rate_bits=rate)
         # The guard: fewer steps, said in the row; not where the overlap is chosen to hide the rounds, which the
         # model cannot know before the run says what it chose.
-        if predicted > budget and _flag_value(setting.flags, "--overlap-steps") is not None:
+        if predicted > budget and not overlap_auto:
             steps = max(10, int(args.steps * budget / predicted) // 10 * 10)
         try:
             row = run_on_sites(task, setting, args, bandwidth, seed, runs_dir, steps, repeat)
@@ -573,7 +574,7 @@ def sweep_sites(task: Task, args: Any, p: argparse.ArgumentParser) -> None:
             bar.advance(note=f"{bandwidth} {setting.key} failed")
             continue
         measured = row["measured_mbit_s"] * 1e6 if row["measured_mbit_s"] else None
-        overlap_chosen = row.get("chosen_overlap") and _flag_value(setting.flags, "--overlap-steps") is None
+        overlap_chosen = overlap_auto and row.get("chosen_overlap")
         if overlap_chosen:
             model = functools.partial(model.func, setting._replace(hidden=row["chosen_overlap"]), **model.keywords)
         if row.get("chosen_period"):

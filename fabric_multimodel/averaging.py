@@ -19,7 +19,14 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import as_module_list, check_optimizers, check_placement
-from fabric_multimodel.auto_period import PeriodChoice, agree, choose_overlap, choose_period, time_round
+from fabric_multimodel.auto_period import (
+    PeriodChoice,
+    agree,
+    choose_overlap,
+    choose_period,
+    shortest_period,
+    time_round,
+)
 from fabric_multimodel.builder import build_rounds
 from fabric_multimodel.collectives import (
     ProcessGroup,
@@ -271,9 +278,10 @@ class Averager:
         round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
         groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
         step_s, round_s = agree(step_s, round_s, self._device, groups)
+        timed_step_s = max(step_s, 1e-6)
         if self.config.overlap_steps == "auto":
-            self.overlap_steps = choose_overlap(max(step_s, 1e-6), round_s)
-        period = choose_period(max(step_s, 1e-6), round_s, self.fragments, self.overlap_steps)
+            self.overlap_steps = choose_overlap(timed_step_s, round_s)
+        period = choose_period(timed_step_s, round_s, self.fragments, self.overlap_steps)
         self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
         self._set_period(period)
 
@@ -556,7 +564,7 @@ class Averager:
         if self.config.period == "auto":
             self.period_choice = choice
             self.overlap_steps = choice.overlap_steps if choice else self.config.first_overlap
-            self._set_period(choice.period if choice else self.fragments * (self.overlap_steps + 1))
+            self._set_period(choice.period if choice else shortest_period(self.fragments, self.overlap_steps))
         if pace is not None:
             self._set_pace(pace)
         if saved_by not in (None, self.replica.index) and self.local:
@@ -595,7 +603,7 @@ class Averager:
             overlap = saved_overlap
         choice = PeriodChoice(*saved[:4])._replace(overlap_steps=overlap)  # the period is checked below
         period = choice.period
-        smallest = self.fragments * (overlap + 1)
+        smallest = shortest_period(self.fragments, overlap)
         if isinstance(period, bool) or not isinstance(period, int) or period < smallest or period % self.fragments:
             raise ValueError(
                 f"Averager.load_state_dict: `period_choice` holds period {period!r}; with these fragments and overlap"

@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import Placement, check_fragments, plain_module
+from fabric_multimodel.auto_period import shortest_period
 from fabric_multimodel.collectives import ProcessGroup, group_size
 from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.flat import FlatStorage, Part, local_part
@@ -66,7 +67,7 @@ def build_rounds(
     tensors, names, n_params = averaged_tensors(modules, config.average_buffers, model_names)
     groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
     # period="auto" is chosen at the end of warm-up; until then the smallest one the fragments and overlap allow.
-    period = config.period if isinstance(config.period, int) else len(groups) * (config.first_overlap + 1)
+    period = config.period if isinstance(config.period, int) else shortest_period(len(groups), config.first_overlap)
     check_fragments(len(groups), period, config.first_overlap, optimizers)
     # Each fragment's parameters next to each other in the flat storage (buffers last, with the last fragment),
     # so that a fragment is one range of each flat buffer. Fragments are cut by the whole parameters, so that
