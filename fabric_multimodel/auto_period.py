@@ -100,7 +100,8 @@ def choose_period(
     steps = fragments * waited / (tolerance * step_s)
     if overlap_steps:
         steps = max(steps, fragments * round_s / step_s)
-    return max(shortest_period(fragments, overlap_steps), fragments * math.ceil(steps / fragments - 1e-9))
+    # A relative margin: an absolute one misjudges millions of steps (a float's last bits decide there).
+    return max(shortest_period(fragments, overlap_steps), fragments * math.ceil(steps / fragments / (1 + 1e-9)))
 
 
 def shortest_period(fragments: int, overlap_steps: int) -> int:
