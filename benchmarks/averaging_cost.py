@@ -19,6 +19,11 @@ Methods, all on the same ranks, interleaved inside every repeat:
 - ``torchft`` / ``torchft-bucketized``: torchft 0.2.0's own ``DiLoCo`` round (``sync_every=1``, its
   quorum and commit vote included), at 2 ranks, when torchft is installed (``pip install -e '.[peers]'``).
 
+Each repeat times every method once, in a new order: where one floor round is shorter than ``TIMED_S``
+(20 ms), each method as the mean of as many calls in a row as make about that long of the floor (the
+same count for every method; once for a method whose call alone lasts twice that), since single rounds
+of a few milliseconds on a shared 2-core machine are bimodal.
+
 Models: a DCGAN-sized generator + discriminator pair (~6.1M parameters in 18 tensors) and an MLP of
 400 small tensors (~0.83M parameters). Usage::
 
@@ -31,9 +36,13 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import math
 import random
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -206,6 +215,11 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
     calls, averagers, n_params, n_tensors = _methods(fabric, model, peers)
     methods = [m for m in (*BASE_METHODS, *PEER_METHODS) if m in calls]
     times: dict[str, list[float]] = {m: [] for m in methods}
+    floor_s = seconds_per_call(calls["floor"], fabric.device)
+    floor_calls = max(1, math.ceil(TIMED_S / floor_s))
+    # The same count for every method, so that each ratio compares runs of equal length; a method whose one
+    # call lasts twice that (the per-tensor loop) is already long enough, and is timed once.
+    in_a_row = {m: floor_calls if seconds_per_call(calls[m], fabric.device) < 2 * TIMED_S else 1 for m in methods}
     bar = common.Progress(f"{model} at {world} ranks", warmup + repeats)
     for r in range(warmup + repeats):
         # Interleaved, in a new order each repeat (the same on every rank): no method always runs first, or right
@@ -213,7 +227,7 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
         # `ours` always ran after `floor-adam`'s 10 MB and measured 12-27% slower than `ours-nocheck`, the same work).
         order = random.Random(r).sample(methods, len(methods))
         for method in order:
-            elapsed = common.barrier_timed(calls[method])
+            elapsed = common.barrier_timed(calls[method], in_a_row[method])
             if r >= warmup:
                 times[method].append(elapsed)
         bar.advance()
@@ -263,9 +277,31 @@ def measure_model(fabric, model: str, repeats: int, warmup: int, peers: bool) ->
                 "other_collectives": len(collectives) - len(reductions),
                 "extra_bytes": max(c[method]["peak_extra_bytes"] for c in all_counted),
                 "repeats": repeats,
+                "in_a_row": in_a_row[method],
             }
         )
     return rows
+
+
+#: Rounds of a floor shorter than this are timed several in a row, as many as make about this long.
+TIMED_S = 0.02
+
+
+def seconds_per_call(call: Callable[[], object], device: Any) -> float:
+    """Seconds one ``call()`` takes, the slowest rank's mean of 3 (after one that sets up gloo's pairs), the
+    same on every rank. One round of a few milliseconds on a 2-core machine is bimodal (each rank and gloo's
+    thread share the cores): single timings of the same call differ by 30% from run to run, a run of rounds
+    does not."""
+    import torch
+    import torch.distributed as dist
+
+    call()
+    start = time.perf_counter()
+    for _ in range(3):
+        call()
+    slowest = torch.tensor([(time.perf_counter() - start) / 3], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -306,10 +342,10 @@ def summary_table(rows: list[dict]) -> str:
     for row in rows:
         by_case.setdefault((row["model"], row["ranks"]), {})[row["method"]] = row
     present = [m for m in SUMMARY if any(m in cells for cells in by_case.values())]
-    headers = ["model", "ranks", "floor ms", *present, "NaN/Inf check"]
+    headers = ["model", "ranks", "floor rounds in a row", "floor ms", *present, "NaN/Inf check"]
     table = []
     for (model, ranks), cells in by_case.items():
-        line = [MODEL_LABELS[model], ranks, f"{cells['floor']['median_ms']:.2f}"]
+        line = [MODEL_LABELS[model], ranks, cells["floor"]["in_a_row"], f"{cells['floor']['median_ms']:.2f}"]
         line += [common.ratio(cells[m]["ratio_to_floor"]) if m in cells else "-" for m in present]
         check = cells["ours"]["median_ms"] / cells["ours-nocheck"]["median_ms"] - 1
         line.append(f"{100 * check:+.1f}%")
@@ -343,6 +379,7 @@ def detail_table(rows: list[dict]) -> str:
         "ranks",
         "method",
         "median ms",
+        "in a row",
         "p25-p75 ms",
         "ratio to floor",
         "paired ratio",
@@ -357,6 +394,7 @@ def detail_table(rows: list[dict]) -> str:
             r["ranks"],
             r["method"],
             f"{r['median_ms']:.3f}",
+            r["in_a_row"],
             f"{r['p25_ms']:.3f}-{r['p75_ms']:.3f}",
             common.ratio(r["ratio_to_floor"]),
             common.ratio(r["paired_ratio"]),
@@ -407,8 +445,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# Averaging round cost{' (QUICK mode: indicative only)' if args.quick else ''}\n")
     print(common.machine_line(info, world_sizes=" ".join(map(str, args.world_sizes)), repeats=repeats, warmup=warmup))
     print()
-    print("Median ms per round over repeats (per repeat: the slowest rank), as a ratio to the floor; the last")
-    print("column is what the default NaN/Inf check adds to a plain round (ours vs ours-nocheck).\n")
+    print("Median ms per round over repeats (per repeat: the slowest rank; each method's rounds timed in a row, as")
+    print(f"many as make about {1000 * TIMED_S:.0f} ms of the floor: the third column), as a ratio to the floor;")
+    print("the last column is what the default NaN/Inf check adds to a plain round (ours vs ours-nocheck).\n")
     print(summary_table(rows))
     print("\n## Bytes sent per rank and extra memory per round\n")
     print(memory_table(rows))

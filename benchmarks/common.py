@@ -239,14 +239,16 @@ def pyplot() -> Any | None:
 # --- inside a world ---------------------------------------------------------------------------
 
 
-def barrier_timed(fn: Callable[[], Any]) -> float:
-    """Seconds ``fn()`` took on this rank, starting right after a barrier with every other rank."""
+def barrier_timed(fn: Callable[[], Any], calls: int = 1) -> float:
+    """Seconds one ``fn()`` took on this rank, starting right after a barrier with every other rank: the mean of
+    ``calls`` calls in a row."""
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def gather(value: Any) -> list[Any]:

@@ -101,11 +101,12 @@ def test_averaging_cost_quick(tmp_path):
     cases = {(row["model"], row["ranks"], row["method"]): row for row in details}
     assert set(cases) == {(m, "2", k) for m in ("dcgan", "mlp400") for k in methods}
     for row in details:
-        assert number(row["median ms"]) > 0
+        assert number(row["median ms"]) > 0 and int(row["in a row"]) >= 1
         assert math.isfinite(number(row["ratio to floor"])) and math.isfinite(number(row["paired ratio"]))
     assert {row["paired ratio"] for row in details if row["method"] == "floor"} == {"1.00x"}  # each repeat's own
     for row in summary:
         assert row["NaN/Inf check"].endswith("%")
+        assert int(row["floor rounds in a row"]) >= 1
 
     rows = read_csv(tmp_path / "averaging_cost.csv")
     assert len(rows) == len(cases)
