@@ -43,7 +43,7 @@ from fabric_multimodel.collectives import extremes
 from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
-from fabric_multimodel.sharded_checkpoints import METADATA, load_sharded, save_sharded
+from fabric_multimodel.sharded_checkpoints import METADATA, load_sharded, resume_latest_sharded, save_sharded
 
 
 def launched_by() -> str | None:
@@ -134,6 +134,12 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     )
     g.add_argument("--node-period", type=int, default=0, help="two-level: also average inside the node every N steps")
     g.add_argument(
+        "--shard",
+        choices=["none", "node"],
+        default="none",
+        help="node: shard the models over each node's processes with FSDP2 (rounds across nodes: needs --period)",
+    )
+    g.add_argument(
         "--pace",
         choices=["steps", "speed"],
         default="steps",
@@ -217,6 +223,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         across_nodes = args.period and not args.node_period and world_shape(args)[1] > 1
         args.layout = "islands" if across_nodes else "flat"
         args.layout_chosen = True
+    if args.shard == "node":
+        check_sharding(p, args)
     minimums = {
         "steps": 1, "batch_size": 1, "period": 0, "warmup_steps": 0, "overlap_steps": 0,
         "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1, "node_period": 0, "fragments": 1,
@@ -274,7 +282,7 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.mixing = 0.5
     if args.resume is None and restart_count():
         args.resume = AUTO  # torchrun's agent restarted this node's workers: go on from the run folder
-    sharded = getattr(args, "shard", "none") == "node"  # its checkpoints are folders, one per site
+    sharded = args.shard == "node"  # its checkpoints are folders, one per site
     kind = "folder" if sharded else "file"
     if args.resume not in (None, AUTO) and not (args.resume.is_dir() if sharded else args.resume.is_file()):
         p.error(f"--resume {args.resume}: no such {kind}")
@@ -297,6 +305,19 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.checkpoint_every = max(1, args.steps // 10)
 
 
+def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--shard node: FSDP2 inside each node, the Averager across nodes; what it does not do yet is one line."""
+    if not args.period:
+        p.error("--shard node needs --period N: the models are sharded inside each node and averaged across nodes")
+    if args.layout == "flat" and not getattr(args, "layout_chosen", False) or args.node_period:
+        p.error("--shard node shards inside each node: drop --layout flat and --node-period")
+    args.layout = "islands"
+    if math.prod(world_shape(args)) == 1:
+        p.error("--shard node shards over a node's processes: start several (--devices N), this run has one")
+    if args.error_feedback:
+        p.error("--shard node: --error-feedback's residuals are not kept in sharded checkpoints yet; drop it")
+
+
 def mode_name(args: argparse.Namespace) -> str:
     """A short name for the averaging settings, for run folders: ``sync``, ``period8-warmup500-nesterov``..."""
     if not args.period:
@@ -307,7 +328,7 @@ def mode_name(args: argparse.Namespace) -> str:
     parts += [LOW_PRECISION[args.comm_dtype]] if args.comm_dtype != "float32" else []
     parts += ["ef"] if args.error_feedback else []
     parts += ["islands"] if args.layout == "islands" else []
-    parts += ["sharded"] if getattr(args, "shard", "none") == "node" else []
+    parts += ["sharded"] if args.shard == "node" else []
     parts += [f"node{args.node_period}"] if args.node_period else []
     parts += [f"fragments{args.fragments}"] if args.fragments > 1 else []
     parts += [f"mixing{args.mixing:g}" if args.mixing != "progress" else "progress"] if args.mixing is not None else []
@@ -315,16 +336,13 @@ def mode_name(args: argparse.Namespace) -> str:
 
 
 def run_folder(
-    p: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    example: str,
-    *settings: str,
-    checkpoint: str = "checkpoint.pt",
+    p: argparse.ArgumentParser, args: argparse.Namespace, example: str, *settings: str, checkpoint: str | None = None
 ) -> Path:
     """``--out``, else the folder of ``--resume``, else ``runs/<example>/<settings>-seed<seed>``.
 
-    A folder that holds an earlier run's checkpoint is never written over by a new run: that is an error
-    naming ``--resume`` (every rank reaches it before any collective)."""
+    A folder that holds an earlier run's ``checkpoint`` (default: :func:`checkpoint_name`) is never written
+    over by a new run: that is an error naming ``--resume`` (every rank reaches it before any collective)."""
+    checkpoint = checkpoint or checkpoint_name(args)
     resuming = getattr(args, "resume", None)
     if args.out is not None:
         folder = args.out
@@ -337,6 +355,12 @@ def run_folder(
         how = f"continue it with --resume {earlier} (and a larger --steps), or " if hasattr(args, "resume") else ""
         p.error(f"{folder} holds an earlier run's {checkpoint}; {how}start anew with --out NEW_FOLDER")
     return folder
+
+
+def checkpoint_name(args: argparse.Namespace) -> str:
+    """The run folder's checkpoint: ``checkpoint.pt``, or with ``--shard node`` the folder ``checkpoint`` (one
+    beside it per site: ``checkpoint.replica1``, ...)."""
+    return "checkpoint" if args.shard == "node" else "checkpoint.pt"
 
 
 def world_shape(args: argparse.Namespace) -> tuple[int, int]:
@@ -427,6 +451,8 @@ def layout(fabric: Fabric, args: argparse.Namespace) -> Layout:
     if args.layout == "flat" and not args.node_period:
         return Layout({}, {}, None)
     groups = node_groups(fabric)
+    if args.shard == "node":  # FSDP2 over the node's processes instead of DDP
+        return Layout({"shard": groups.node}, {"process_group": groups.across}, groups)
     if args.layout == "islands":
         return Layout({"process_group": groups.node}, {"process_group": groups.across}, groups)
     return Layout({}, {"node_period": args.node_period, "node_group": groups.node}, groups)
@@ -569,12 +595,12 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
     ends with ``phases``, completed with :func:`resume_latest`'s own.
     """
     config = state["config"]  # the load replaces it with the checkpoint's
-    path = args.out / "checkpoint.pt" if args.resume == AUTO else args.resume
     averager = state.get("averager")
     sharded = averager is not None and averager.sharded
-    if sharded:  # each site resumes from its own folder when it is complete, else from the one given
+    path = args.out / checkpoint_name(args) if args.resume == AUTO else args.resume
+    if sharded:  # each site resumes from its own folder when complete, else the one given (auto: the newest)
         own = replica_path(path, averager.replica.index)
-        path = own if (own / METADATA).is_file() else path
+        path = own if args.resume != AUTO and (own / METADATA).is_file() else path
     elif averager is not None and averager.anchored:  # each replica resumes from its own file, when it has one
         path = own_replica(path, averager.replica.index, explicit=args.resume != AUTO)
 
@@ -589,7 +615,18 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
             raise CheckpointError(f"{path} was written with {', '.join(differences)}; resume with the same settings")
 
     try:
-        if sharded:
+        if sharded and args.resume == AUTO:
+            found = resume_latest_sharded(fabric, path, state, validate=same_settings)
+            if found is None:
+                fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
+                return
+            folder, values = found
+            state.update(values)
+            if fabric.local_rank == 0:  # each site says where it started: its own folder, or another's anchors
+                whose = "its own" if folder == own else "another site's: it starts from the anchors"
+                print(f"--resume auto: step {state['step']} from {folder} ({whose})", flush=True)
+            extra = {}
+        elif sharded:
             extra = load_sharded_run(fabric, path, state, same_settings)
         elif args.resume == AUTO:
             resumed = resume_latest(
@@ -836,8 +873,10 @@ class Checkpointer:
             assert averager is not None
             replica = averager.replica
             self.writer = CheckpointWriter(replica_path(self.path, replica.index), enabled=replica.writer)
-        else:
-            self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0)
+        else:  # a sharded run writes its round checkpoints in the training thread (DCP's collectives are the site's)
+            self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0 and not self.sharded)
+        #: Seconds each sharded round checkpoint held the training thread.
+        self.sharded_seconds: list[float] = []
         if fabric.local_rank == 0:
             for stale in remove_stale_temporaries(folder):
                 print(f"removed {stale}, left by a save that was interrupted", flush=True)
@@ -852,12 +891,24 @@ class Checkpointer:
         return save_checkpoint(self.fabric, self.path, state)
 
     def after_round(self, state: Mapping[str, Any]) -> None:
-        """After a round (where the replicas are the same, or anchored): a checkpoint written in the background."""
+        """After a round (where the replicas are the same, or anchored): a checkpoint written in the background,
+        or, sharded, each site's folder written by its processes (nothing crosses sites)."""
+        if self.sharded:
+            start = time.perf_counter()
+            save_sharded(self.path, state)
+            self.sharded_seconds.append(time.perf_counter() - start)
+            return
         self.writer.save(state)
 
     def close(self) -> str:
         """Finish the background write; a line with what the round checkpoints cost, when there were any."""
         self.writer.close()
+        if self.sharded_seconds:
+            median_ms = 1000 * statistics.median(self.sharded_seconds)
+            return (
+                f"checkpoints after rounds: {len(self.sharded_seconds)} sharded saves, training thread"
+                f" {median_ms:.1f} ms each (median)"
+            )
         if not self.writer.seconds:
             return ""
         copies, writes = zip(*self.writer.seconds)

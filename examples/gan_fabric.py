@@ -12,7 +12,10 @@ Run it any of these ways::
 Generator and discriminator each get their own ``DistributedDataParallel`` (``setup_models``). The
 generator step runs the discriminator inside ``frozen(disc)``, so that step allreduces the
 generator's gradients only. With ``--period N`` an ``Averager`` runs ``--warmup-steps`` synchronous
-steps, then local steps with no communication, averaging the replicas every N steps.
+steps, then local steps with no communication, averaging the replicas every N steps. With ``--shard node``
+(and ``--period N``) both models are sharded with FSDP2 over each node's processes instead, and the
+rounds average each shard across nodes; checkpoints are then a folder per node (``OUT/checkpoint``,
+``OUT/checkpoint.replica1``, ...).
 
 Rank 0 writes ``OUT/checkpoint.pt``, CSV metrics under ``OUT/logs/`` and a picture of the samples
 (with matplotlib), and its last line is machine-readable (wrapped here)::
@@ -149,6 +152,8 @@ def build(fabric: Fabric, args: argparse.Namespace, setup: dict[str, Any]) -> tu
         # rank 0 before each (a collective per forward, overwriting tensors autograd may have saved);
         # D only ever runs in training mode, so its running statistics are unused and can stay local.
         ddp_kwargs = {"disc": {SYNC_BUFFERS: False}}
+    if "shard" in setup:  # FSDP2 keeps each rank's BatchNorm statistics local: there is nothing to broadcast
+        ddp_kwargs = None
     gen, disc = setup_models(fabric, gen=gen, disc=disc, ddp_kwargs=ddp_kwargs, **setup)
     opt_g = torch.optim.Adam(gen.parameters(), lr=args.lr, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(disc.parameters(), lr=args.lr, betas=(0.5, 0.999))
@@ -169,7 +174,8 @@ def set_learning_rate(optimizers: list[Any], lr: float) -> None:
 
 @torch.no_grad()
 def generate(gen: nn.Module, n: int, z_dim: int) -> torch.Tensor:
-    # The plain module, not the DDP wrapper: rank 0 runs this alone, and DDP's forward may communicate.
+    # The plain module, not the DDP wrapper: rank 0 runs this alone, and DDP's forward may communicate. An FSDP2
+    # module gathers its shards inside the site: every process of the site calls this.
     module = gen.module
     module.eval()
     z = torch.randn(n, z_dim, generator=torch.Generator().manual_seed(1234))
@@ -208,6 +214,7 @@ def train(args: argparse.Namespace) -> int | None:
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
     phases.mark("fabric")
     placement = layout(fabric, args)
+    sharded = args.shard == "node"  # every process of a site then takes part in its forwards (evaluation too)
     phases.mark("groups")
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [opt_g, opt_d])
@@ -282,7 +289,7 @@ def train(args: argparse.Namespace) -> int | None:
             progress(step, lambda d=d_loss, g=g_loss: {"d_loss": d.item(), "g_loss": g.item()})
             if step % args.log_every == 0 or step == args.steps:
                 metrics = {"d_loss": d_loss.item(), "g_loss": g_loss.item()}
-                if args.dataset == "ring" and fabric.is_global_zero:  # rank 0's replica, cheap
+                if args.dataset == "ring" and (fabric.is_global_zero or sharded):  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
             before, now = now, clock(step, averager)
@@ -306,10 +313,11 @@ def train(args: argparse.Namespace) -> int | None:
     save(args.steps, sync=False)  # leaving the block averaged already
     round_checkpoints = checkpointer.close()
     fabric.logger.finalize("success")
+    if fabric.is_global_zero or sharded:
+        samples = generate(gen, EVAL_SAMPLES if args.dataset == "ring" else 64, z_dim)
     if not fabric.is_global_zero:
         return None
 
-    samples = generate(gen, EVAL_SAMPLES if args.dataset == "ring" else 64, z_dim)
     picture = args.out / ("samples.png" if args.dataset == "ring" else "digits.png")
     save_picture(picture, samples)
     comm = grad_bytes.bytes + (averager.traffic.bytes if averager is not None else 0)
@@ -318,7 +326,8 @@ def train(args: argparse.Namespace) -> int | None:
         result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
     else:
         result = "dataset=digits"
-    print(f"run folder: {args.out} (checkpoint.pt, logs/, {picture.name})", flush=True)
+    checkpoint = "checkpoint/ (a folder per site)" if sharded else "checkpoint.pt"
+    print(f"run folder: {args.out} ({checkpoint}, logs/, {picture.name})", flush=True)
     print(comm_line(grad_bytes, averager), flush=True)
     if args.checkpoint_rounds:
         print(round_checkpoints, flush=True)

@@ -56,7 +56,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from common import (
-    AUTO,
     Checkpointer,
     GradientBytes,
     Parser,
@@ -83,7 +82,6 @@ from common import (
     start_fabric,
     state_bytes,
     warmup_ended,
-    world_shape,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
@@ -125,12 +123,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tie-weights", action=argparse.BooleanOptionalAction, default=True, help="output layer = byte embedding"
     )
     add_averaging_arguments(p, warmup_steps=200)
-    p.add_argument(
-        "--shard",
-        choices=["none", "node"],
-        default="none",
-        help="node: shard the model over each node's processes with FSDP2 (rounds across nodes: needs --period)",
-    )
     p.add_argument("--eval-batches", type=int, default=8, help=f"held-out batches of {EVAL_BATCH_SIZE} sequences")
     add_run_arguments(p)
     args = p.parse_args(argv)
@@ -147,26 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for path in args.data or ():
         if not path.exists():
             p.error(f"--data {path}: no such file or folder")
-    if args.shard == "node":
-        check_sharding(p, args)
-    checkpoint = "checkpoint" if args.shard == "node" else "checkpoint.pt"  # a sharded checkpoint is a folder
-    args.out = run_folder(p, args, "lm", mode_name(args), checkpoint=checkpoint)
+    args.out = run_folder(p, args, "lm", mode_name(args))
     return args
-
-
-def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--shard node: FSDP2 inside each node, the Averager across nodes; what it does not do yet is one line."""
-    if not args.period:
-        p.error("--shard node needs --period N: the model is sharded inside each node and averaged across nodes")
-    if args.layout == "flat" and not getattr(args, "layout_chosen", False) or args.node_period:
-        p.error("--shard node shards inside each node: drop --layout flat and --node-period")
-    args.layout = "islands"
-    if math.prod(world_shape(args)) == 1:
-        p.error("--shard node shards over a node's processes: start several (--devices N), this run has one")
-    if args.error_feedback:
-        p.error("--shard node: --error-feedback's residuals are not kept in sharded checkpoints yet; drop it")
-    if args.checkpoint_rounds or args.resume == AUTO:
-        p.error("--shard node: --checkpoint-rounds and --resume auto are not there yet; --resume FOLDER is")
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -430,9 +404,6 @@ def train(args: argparse.Namespace) -> int | None:
         fail(fabric, f"--data: {error}")
     phases.mark("data")
     placement = layout(fabric, args)
-    if args.shard == "node":
-        assert placement.groups is not None
-        placement = placement._replace(setup={"shard": placement.groups.node})
     sharded = args.shard == "node"  # every process of a site then takes part in its forwards (evaluation too)
     phases.mark("groups")
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)

@@ -11,6 +11,9 @@ Loading reshards: a folder written by ``D`` processes per site loads into ``D'``
 no folder of its own (a new one, or one of more sites) loads another's and starts from the anchors,
 the global model (``Averager.load_state_dict`` does that when the replica index differs).
 
+:func:`resume_latest_sharded` is ``--resume auto`` for such runs: every site loads the newest folder it can read,
+its own when that is the newest.
+
 What it does not keep: the error-feedback residuals of low-bit rounds (``error_feedback=True``), which
 are laid out by the ranks that quantized them; such an Averager is refused with a
 :class:`~fabric_multimodel.checkpoints.CheckpointError` before anything is written.
@@ -31,7 +34,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import plain_module
-from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError
+from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError, replica_path
 from fabric_multimodel.flat import local_part, placed_like
 
 #: The file torch.distributed.checkpoint writes last: a folder without it is not a complete checkpoint.
@@ -114,6 +118,102 @@ def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str,
             _add_outer_state(template[name], saved, name)
     dcp.load(template, checkpoint_id=path, process_group=group)
     return _apply(path, state, template)
+
+
+def saved_step(path: str | os.PathLike, step_key: str = "step") -> int:
+    """The value ``step_key`` of the complete sharded checkpoint ``path``, read by this process alone (no
+    collective); -1 when there is none there, or none that can be read.
+
+    Example::
+
+        if saved_step("runs/lm/checkpoint") >= 0:
+            values = load_sharded("runs/lm/checkpoint", state)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    if not (path / METADATA).is_file():
+        return -1
+    values: dict[str, Any] = {step_key: -1}
+    try:
+        if step_key not in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+            return -1
+        with warnings.catch_warnings():  # that it reads in one process: what it is asked to do
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(values, checkpoint_id=path, no_dist=True)
+    # DCP raises its failures as CheckpointException, a BaseException; a folder that cannot be read is no
+    # checkpoint to resume from.
+    except (Exception, dcp.api.CheckpointException):  # noqa: BLE001
+        return -1
+    step = values[step_key]
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
+def resume_latest_sharded(
+    fabric: Any,
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    validate: Callable[[dict[str, Any]], None] | None = None,
+    step_key: str = "step",
+) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest sharded checkpoint into ``state`` on every process: each site its own folder
+    (``replica_path(path, averager.replica.index)``) when that is the newest, else the newest folder it
+    can read (another site's, in a folder the sites share), from whose anchors the Averager starts it.
+
+    Every process reads the steps of the sites' folders it sees (:func:`saved_step`); one all-gather
+    over the world agrees on the newest and on where each site loads it from, so that a site that can
+    read no folder at that step is one :class:`~fabric_multimodel.checkpoints.CheckpointError` on every
+    process, raised before any load. Then each site loads its folder (:func:`load_sharded`, collectives
+    inside the site) and ``validate`` checks the plain values. Returns the folder and the plain values,
+    or None, changing nothing, when no site has a checkpoint: a fresh start. Call it on every process,
+    before the first collective of training.
+
+    Example::
+
+        resumed = resume_latest_sharded(fabric, out / "checkpoint", state)
+        start = resumed[1]["step"] if resumed else 0
+    """
+    averager = next((value for value in state.values() if _is_averager(value)), None)
+    if averager is None:
+        raise CheckpointError(f"{path}: resume_latest_sharded needs the Averager in `state` (it names the site).")
+    replica = averager.replica
+    folders = [replica_path(path, index) for index in range(replica.count)]
+    visible = [saved_step(folder, step_key) for folder in folders]  # this process's view, by site
+    mine = torch.tensor([replica.index, *visible], dtype=torch.int64, device=getattr(fabric, "device", None))
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    seen: dict[int, list[list[int]]] = {}
+    for row in rows:
+        seen.setdefault(int(row[0]), []).append(row[1:].tolist())
+    # By site, the step of each folder that all its processes read (they load it together).
+    views = {site: [min(steps) for steps in zip(*site_views)] for site, site_views in seen.items()}
+    newest = max(max(view) for view in views.values())
+    if newest < 0:
+        return None
+    sources = {site: _source(view, site, newest) for site, view in views.items()}
+    lost = sorted(site for site, source in sources.items() if source is None)
+    if lost:
+        holding = [str(folders[site]) for site, step in enumerate(visible) if step == newest]
+        raise CheckpointError(
+            f"{path}: the newest checkpoint is at step {newest} ({', '.join(holding) or 'not readable here'}), and"
+            f" site(s) {lost} can read no folder at that step; copy that folder to them, or resume every site from"
+            " one folder given explicitly."
+        )
+    source = sources[replica.index]
+    assert source is not None  # every site has one, or all raised above
+    chosen = folders[source]
+    values = load_sharded(chosen, state)
+    if validate is not None:
+        validate(values)
+    return chosen, values
+
+
+def _source(view: list[int], own: int, newest: int) -> int | None:
+    """The site whose folder a process with ``view`` (steps by site) loads: its own when at ``newest``."""
+    if view[own] == newest:
+        return own
+    return next((site for site, step in enumerate(view) if step == newest), None)
 
 
 def _site(path: Path, state: Mapping[str, Any]) -> tuple[Any, int]:

@@ -230,6 +230,31 @@ def test_resume_continues_to_the_total_steps(local_sgd_run: Run, runs: dict[str,
     assert torch.load(resumed.out / "checkpoint.pt", weights_only=True)["step"] == 80
 
 
+SHARDED = ["--period", "4", "--warmup-steps", "4", "--checkpoint-every", "0", "--shard", "node", "--checkpoint-rounds"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
+    """--shard node in one node of 2 processes (FSDP2 over both, rounds across the one node): 12 steps, then
+    --resume auto in the same folder to 16."""
+    out = tmp_path_factory.mktemp("sharded")
+    first = train(out, "--steps", "12", *SHARDED, devices=2)
+    return first, train(out, "--steps", "16", *SHARDED, "--resume", "auto", devices=2)
+
+
+def test_both_models_shard_with_fsdp2_and_resume_from_their_folder(sharded_runs: tuple[Run, Run]) -> None:
+    first, resumed = sharded_runs
+    assert "layout=islands (FSDP2 inside each node, rounds of its shards across nodes)" in first.stdout
+    assert first.final["steps"] == 12 and first.final["rounds"] == expected_rounds(0, 12, warmup=4, period=4) == 2
+    assert 0 <= first.final["modes"] <= 8 and first.final["state_bytes"] > 0
+    # A round checkpoint after each round (steps 8 and 12), written by both processes into the node's folder.
+    assert "checkpoints after rounds: 2 sharded saves, training thread " in first.stdout
+    assert f"run folder: {first.out} (checkpoint/ (a folder per site), logs/, " in first.stdout
+    assert (first.out / "checkpoint" / ".metadata").is_file() and not (first.out / "checkpoint.pt").exists()
+    assert f"--resume auto: step 12 from {first.out / 'checkpoint'} (its own)" in resumed.stdout
+    assert resumed.final["steps"] == 16 and resumed.final["rounds"] == 2 + expected_rounds(12, 16, 4, 4) == 3
+
+
 def test_script_launches_its_own_processes(tmp_path: Path) -> None:
     result = train(tmp_path, "--steps", "20", devices=2, launcher="python")
     assert result.final["steps"] == 20
@@ -268,6 +293,8 @@ def test_single_process_communicates_nothing(tmp_path: Path, example, capsys) ->
         (["--overlap-steps", "2"], "need --period"),
         (["--period", "4", "--overlap-steps", "4"], "smaller than --period"),
         (["--resume", "no/such/checkpoint.pt"], "no/such/checkpoint.pt"),
+        (["--shard", "node", "--period", "4"], "start several (--devices N), this run has one"),
+        (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "x.pt"], "--resume x.pt: no such folder"),
         (["--steps", "many"], "'many'"),  # argparse's own errors are one line too
     ],
 )

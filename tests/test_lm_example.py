@@ -322,7 +322,6 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
             ["--shard", "node", "--period", "4", "--devices", "2", "--comm-dtype", "float8_e4m3fn", "--error-feedback"],
             "--error-feedback",
         ),
-        (["--shard", "node", "--period", "4", "--devices", "2", "--checkpoint-rounds"], "--resume FOLDER is"),
         (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "no/such/folder"], "no such folder"),
     ],
 )

@@ -4,6 +4,7 @@ sites, for every kind of round, and the run equals the same run with DDP inside 
 from __future__ import annotations
 
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,9 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from fabric_multimodel import Averager, frozen, replicas_in_sync, setup_models
 from fabric_multimodel.arguments import plain_module
-from fabric_multimodel.checkpoints import CheckpointWriter, replica_path, save_checkpoint
+from fabric_multimodel.checkpoints import CheckpointError, CheckpointWriter, replica_path, save_checkpoint
 from fabric_multimodel.rounds import Header
-from fabric_multimodel.sharded_checkpoints import load_sharded, save_sharded
+from fabric_multimodel.sharded_checkpoints import load_sharded, resume_latest_sharded, save_sharded, saved_step
 from tests.gan import collectives, mlp
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
@@ -266,24 +267,69 @@ def test_a_sharded_checkpoint_stays_in_its_site_and_resumes_bitwise(sharded_chec
 
 
 def one_process_per_site(fabric, folder: str):
-    """Every rank a site of its own loads its site's folder, or site 0's when its site has none."""
-    sites = [dist.new_group([rank]) for rank in range(fabric.world_size)]
-    model, optimizer, averager = sharded_setup(fabric, sites[fabric.global_rank], None, seed=1)
-    path = replica_path(Path(folder) / "checkpoint", averager.replica.index)
-    own = path.exists()
-    load_sharded(path if own else replica_path(Path(folder) / "checkpoint", 0), {"m": model, "opt": optimizer,
-                 "averager": averager, "step": 0})  # fmt: skip
-    return own, full_state(model, optimizer, averager)
+    """Every rank a site of its own resumes with ``resume_latest_sharded``: from the 2 x 2 run's folders; from a
+    folder with none; from folders where site 1's own is older than site 0's (it rejoins from site 0's); and with
+    each rank its own base folder, only rank 0's holding the checkpoint (no site but 0 can read it)."""
+    rank, world = fabric.global_rank, fabric.world_size
+    sites = [dist.new_group([r]) for r in range(world)]
+    model, optimizer, averager = sharded_setup(fabric, sites[rank], None, seed=1)
+    state = {"m": model, "opt": optimizer, "averager": averager, "step": 0}
+    base = Path(folder)
+    found = resume_latest_sharded(fabric, base / "checkpoint", state)
+    assert found is not None
+    resumed = (found[0].name, found[1], full_state(model, optimizer, averager))
+
+    nothing: list = []
+    calls = collectives(lambda: nothing.append(resume_latest_sharded(fabric, base / f"empty{world}" / "x", state)))
+    nothing.append([name for name, _ in calls])
+    stale, hosts = base / f"stale{world}", base / f"host{world}-{rank}"
+    if rank == 0:
+        shutil.copytree(base / "checkpoint", stale / "checkpoint")
+        shutil.copytree(base / "checkpoint", hosts / "checkpoint")
+    dist.barrier()
+    if rank == 1:  # site 1's own folder, 4 steps older than site 0's
+        save_sharded(replica_path(stale / "checkpoint", 1), state | {"step": 5})
+    dist.barrier()
+    rejoined = resume_latest_sharded(fabric, stale / "checkpoint", state)
+    assert rejoined is not None
+    try:
+        resume_latest_sharded(fabric, hosts / "checkpoint", state)
+        lost = ""
+    except CheckpointError as error:
+        lost = str(error)
+    return resumed, nothing, (rejoined[0].name, rejoined[1]), lost
+
+
+def test_saved_step_reads_a_complete_folder_and_nothing_else(tmp_path):
+    """The step of a complete folder, read by one process; -1 for a folder that is missing, incomplete,
+    unreadable, or whose step is not an int."""
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.warns(UserWarning):  # DCP's note that it saves in a single process
+        dcp.save({"step": 9, "w": torch.ones(3), "when": "late"}, checkpoint_id=tmp_path / "ok", no_dist=True)
+    assert saved_step(tmp_path / "ok") == 9
+    assert saved_step(tmp_path / "ok", step_key="when") == saved_step(tmp_path / "ok", step_key="w") == -1
+    assert saved_step(tmp_path / "ok", step_key="nothing") == -1
+    assert saved_step(tmp_path / "missing") == -1
+    shutil.copytree(tmp_path / "ok", tmp_path / "torn")
+    for data in (tmp_path / "torn").glob("*.distcp"):
+        data.write_bytes(b"torn")
+    assert saved_step(tmp_path / "torn") == -1
+    (tmp_path / "ok" / ".metadata").unlink()
+    assert saved_step(tmp_path / "ok") == -1
 
 
 @pytest.mark.parametrize("sites", [2, 4])
 def test_a_sharded_checkpoint_reshards_into_fewer_devices_and_more_sites(sharded_checkpoints, worlds, sites):
-    """Written by 2 processes per site, loaded by 1: the same state, bitwise. A site with no folder of its own
-    (4 sites where 2 saved) loads site 0's and starts from the anchors, the global model."""
+    """Written by 2 processes per site, loaded by 1 (``resume_latest_sharded``): the same state, bitwise. A site
+    with no folder of its own (4 sites where 2 saved), or an older one, loads site 0's and starts from the
+    anchors, the global model; a site that can read no folder at the newest step is one error on every rank."""
     folder, results = sharded_checkpoints
     saved = [results[0][0], results[2][0]]  # by site
-    for rank, (own, state) in enumerate(worlds(sites).run(one_process_per_site, str(folder))):
-        assert own == (rank < 2)
+    for rank, (resumed, nothing, rejoined, lost) in enumerate(worlds(sites).run(one_process_per_site, str(folder))):
+        name, values, state = resumed
+        own = rank < 2
+        assert name == replica_path(Path("checkpoint"), rank if own else 0).name and values == {"step": 9}
         expected = saved[rank] if own else saved[0]
         if not own:
             expected = expected | {f"param {k[7:]}": v for k, v in saved[0].items() if k.startswith("anchor ")}
@@ -291,6 +337,9 @@ def test_a_sharded_checkpoint_reshards_into_fewer_devices_and_more_sites(sharded
         assert all(torch.equal(state[k], expected[k]) for k in state), [
             k for k in state if not torch.equal(state[k], expected[k])
         ]
+        assert nothing == [None, ["gloo:all_gather"]]  # what each process sees, gathered once; nothing loaded
+        assert rejoined == ("checkpoint", {"step": 9})  # site 1's own folder is at step 5
+        assert "step 9" in lost and f"site(s) {list(range(1, sites))} can read no folder" in lost, lost
 
 
 def averager_memory(fabric, options: dict):

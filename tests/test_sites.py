@@ -469,14 +469,16 @@ def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(runs, sig
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str | None, Path]]:
-    """examples/lm_fabric.py (DiLoCo, FSDP2 inside each site of 2 processes, a sharded checkpoint at step 3 and at
-    the end) and examples/gan_fabric.py (local SGD paced by speed, one process per site), 6 steps each, at
-    100 mbit, both at once: the LM by the command line (stdout: the tool's lines and site 0's output), the GAN by
-    ``run_sites`` (site 0's stdout log). (exit code, output, errors, run id, run folder) by name."""
+    """examples/lm_fabric.py (DiLoCo, FSDP2 inside each site of 2 processes, a sharded checkpoint at step 3, after
+    each round and at the end) and examples/gan_fabric.py (local SGD paced by speed, one process per site), 6 steps
+    each, at 100 mbit, both at once: the LM by the command line (stdout: the tool's lines and site 0's output), the
+    GAN by ``run_sites`` (site 0's stdout log); then the LM resumed twice at once (its folders given; --resume auto
+    without site 1's folder). (exit code, output, errors, run id, run folder or sites' logs) by name."""
     base = tmp_path_factory.mktemp("examples")
     schedule = ["--steps", "6", "--period", "3", "--warmup-steps", "2", "--checkpoint-every", "0"]
     lm = [str(ROOT / "examples" / "lm_fabric.py"), *schedule, "--outer", "nesterov", "--log-every", "3"]
-    lm += ["--eval-batches", "1", "--shard", "node", "--checkpoint-every", "3", "--out", str(base / "lm")]
+    lm += ["--eval-batches", "1", "--shard", "node", "--checkpoint-every", "3", "--checkpoint-rounds"]
+    lm += ["--out", str(base / "lm")]
     gan = [*schedule, "--pace", "speed", "--out", str(base / "gan")]
     tool = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "100mbit", "--timeout", str(TIMEOUT_S)]
     tool += ["--out", str(base / "lm-sites"), "--", *lm]
@@ -491,16 +493,31 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S + 30)
     finally:
         end_the_tool(proc)
-    # The sharded run resumed from its folders (each site its own) up to step 9.
-    resume = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "none", "--timeout", str(TIMEOUT_S)]
-    resume += ["--out", str(base / "lm-resumed-sites"), "--", *lm, "--steps", "9"]
-    resume += ["--resume", str(base / "lm" / "checkpoint")]
-    resumed = subprocess.run(resume, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 30)
+    # The sharded run resumed up to step 9, both at once: from its folders given (each site its own), and with
+    # --resume auto from a copy of its run folder without site 1's (site 1 rejoins from site 0's anchors).
+    shutil.copytree(base / "lm", base / "lm-auto", ignore=shutil.ignore_patterns("checkpoint.replica1"))
+    resumes = {"resumed": ["--resume", str(base / "lm" / "checkpoint"), "--out", str(base / "lm-resumed")]}
+    resumes["auto"] = ["--resume", "auto", "--out", str(base / "lm-auto")]
+    started = {}
+    for name, flags in resumes.items():
+        resume = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "none", "--timeout", str(TIMEOUT_S)]
+        resume += ["--out", str(base / f"lm-{name}-sites"), "--", *lm, "--steps", "9", *flags]
+        started[name] = subprocess.Popen(
+            resume, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    resumed = {}
+    try:
+        for name, run in started.items():
+            out, err = run.communicate(timeout=TIMEOUT_S + 30)
+            resumed[name] = (run.returncode, out, err, None, base / f"lm-{name}-sites")
+    finally:
+        for run in started.values():
+            end_the_tool(run)
     lm_run = re.match(r"sites: run (\w+):", stdout)
     gan_errors = tail(*result.logs[0], *result.logs[1])
     return {
         "lm": (proc.returncode, stdout, stderr, lm_run[1] if lm_run else None, base / "lm"),
-        "resumed": (resumed.returncode, resumed.stdout, resumed.stderr, None, base / "lm"),
+        **resumed,
         "gan": (result.code, result.logs[0][0].read_text(), gan_errors, result.run_id, base / "gan"),
     }
 
@@ -526,6 +543,7 @@ def test_the_examples_train_across_two_sites(examples, name, keys):
         assert stdout.strip().splitlines()[-1].startswith("sites: exit 0 after ")
         assert "layout=islands (FSDP2 inside each node, rounds of its shards across nodes)" in stdout
         assert int(final["state_bytes"]) > 0
+        assert "checkpoints after rounds: 1 sharded saves, training thread " in stdout  # at step 5
         # Each site wrote its own sharded checkpoint, complete, and nothing temporary is left beside them.
         assert sorted(p.name for p in folder.glob("checkpoint*")) == ["checkpoint", "checkpoint.replica1"]
         assert all((folder / name / ".metadata").is_file() for name in ("checkpoint", "checkpoint.replica1"))
@@ -533,11 +551,19 @@ def test_the_examples_train_across_two_sites(examples, name, keys):
     assert run_id and leftovers(run_id) == []
 
 
-def test_a_sharded_run_resumes_from_its_sites_folders(examples):
-    """--resume FOLDER: each site loads its own folder; the schedule and the byte counts go on from step 6 (rounds
-    at 5 and on leaving at 6, then at 8 and on leaving at 9)."""
-    code, stdout, stderr, _, _ = examples["resumed"]
+@pytest.mark.parametrize("name", ["resumed", "auto"])
+def test_a_sharded_run_resumes_from_its_sites_folders(examples, name):
+    """--resume FOLDER: each site loads its own folder; --resume auto without site 1's folder: site 1 loads site
+    0's and starts from its anchors. The schedule and the byte counts go on from step 6 (rounds at 5 and on
+    leaving at 6, then at 8 and on leaving at 9)."""
+    code, stdout, stderr, _, logs = examples[name]
     assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    if name == "auto":  # site 0's lines reach the tool's stdout; site 1's are in its log
+        checkpoint = logs.parent / "lm-auto" / "checkpoint"
+        assert f"--resume auto: step 6 from {checkpoint} (its own)" in stdout, stdout[-3000:]
+        rejoined = f"--resume auto: step 6 from {checkpoint} (another site's: it starts from the anchors)"
+        assert rejoined in (logs / "site1.out").read_text()
+        assert "checkpoints after rounds: 1 sharded saves" in stdout, stdout[-3000:]  # at step 8
     final = parse_final_line(stdout, LM_KEYS)
     first = parse_final_line(examples["lm"][1], LM_KEYS)
     assert int(final["steps"]) == 9 and int(final["rounds"]) == 4, final
