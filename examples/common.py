@@ -43,7 +43,13 @@ from fabric_multimodel.collectives import extremes
 from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
-from fabric_multimodel.sharded_checkpoints import METADATA, load_sharded, resume_latest_sharded, save_sharded
+from fabric_multimodel.sharded_checkpoints import (
+    METADATA,
+    ResumedSharded,
+    load_sharded,
+    resume_latest_sharded,
+    save_sharded,
+)
 
 
 def launched_by() -> str | None:
@@ -616,15 +622,16 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
 
     try:
         if sharded and args.resume == AUTO:
-            found = resume_latest_sharded(fabric, path, state, validate=same_settings)
+            found = resume_latest_sharded(
+                fabric, path, state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
+            )
             if found is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
                 return
-            folder, values = found
-            state.update(values)
+            state.update(found.values)
             if fabric.local_rank == 0:  # each site says where it started: its own folder, or another's anchors
-                whose = "its own" if folder == own else "another site's: it starts from the anchors"
-                print(f"--resume auto: step {state['step']} from {folder} ({whose})", flush=True)
+                where = whose(found, averager.replica.index)
+                print(f"--resume auto: step {found.step} from {found.folder} ({where})", flush=True)
             extra = {}
         elif sharded:
             extra = load_sharded_run(fabric, path, state, same_settings)
@@ -663,6 +670,17 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
             f"{path} was written by {written_by} processes and resumes into {fabric.world_size}: every"
             " process starts from the checkpoint's replica and optimizer state (rank 0's, averaged before saving)"
         )
+
+
+def whose(found: ResumedSharded, site: int) -> str:
+    """Where site ``site``'s sharded resume came from: its own folder, another site's, or another site's received
+    over the link (then written as its own)."""
+    if found.source == site:
+        return f"its own; sent {found.bytes / 1e6:.2f} MB to sites without one" if found.bytes else "its own"
+    if found.bytes:
+        received = f"received {found.bytes / 1e6:.2f} MB in {found.seconds:.1f} s over the link"
+        return f"site {found.source}'s, {received}: it starts from the anchors"
+    return "another site's: it starts from the anchors"
 
 
 def load_sharded_run(

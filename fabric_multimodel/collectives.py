@@ -8,8 +8,9 @@ group of one rank, they issue none.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple, Optional
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -280,3 +281,60 @@ def tensors_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
         # frees the memory of its copy of FSDP2's shards by resizing it)
         digest.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().clone().numpy().tobytes())
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+#: Bytes per message of :func:`relay_bytes`: a message stays short at the slowest link (1 MiB: 8 s at 1 Mbit/s).
+CHUNK_BYTES = 1 << 20
+#: Seconds between two calls of ``progress`` during :func:`relay_bytes`.
+PROGRESS_EVERY_S = 5.0
+
+
+def relay_bytes(
+    plan: Sequence[tuple[int, int]],
+    payload: bytes | None,
+    device: torch.device,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> tuple[bytes | None, int]:
+    """Pass ``payload`` along ``plan``, pairs of global ranks ``(sender, receiver)`` in order: a receiver
+    may send on what it received. Point to point: per pair, one message of the size and one per
+    ``CHUNK_BYTES``; ranks in no pair issue nothing. ``progress(bytes_done, bytes_total, seconds)`` is
+    called on both ends every ``PROGRESS_EVERY_S`` seconds and at the end. Returns the bytes this rank
+    holds at the end (its ``payload`` when it received none) and their size when it took part, else 0.
+
+    Example::
+
+        data, size = relay_bytes([(0, 2), (2, 3)], payload if rank == 0 else None, fabric.device)
+    """
+    rank = dist.get_rank()
+    data = payload
+    for sender, receiver in plan:
+        if rank == receiver:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(size, src=sender)
+            buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
+            _chunks(buffer, dist.recv, sender, progress)
+            data = buffer.cpu().numpy().tobytes()
+        elif rank == sender:
+            if data is None:
+                raise ValueError(f"relay_bytes: rank {rank} sends to {receiver} in `plan` but has no `payload`.")
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+            dist.send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), dst=receiver)
+            _chunks(buffer, dist.send, receiver, progress)
+    return data, len(data) if data is not None and any(rank in pair for pair in plan) else 0
+
+
+def _chunks(
+    buffer: torch.Tensor,
+    move: Callable[[torch.Tensor, int], Any],
+    peer: int,
+    progress: Callable[[int, int, float], None] | None,
+) -> None:
+    """``move`` (``dist.send`` or ``dist.recv``) ``buffer`` to or from ``peer`` in messages of ``CHUNK_BYTES``."""
+    start = reported = time.perf_counter()
+    total = buffer.numel()
+    for offset in range(0, total, CHUNK_BYTES):
+        move(buffer[offset : offset + CHUNK_BYTES], peer)
+        now = time.perf_counter()
+        if progress is not None and (now - reported >= PROGRESS_EVERY_S or offset + CHUNK_BYTES >= total):
+            progress(min(offset + CHUNK_BYTES, total), total, now - start)
+            reported = now

@@ -41,7 +41,7 @@ from torch import nn
 
 from fabric_multimodel.averaging import Averager
 from fabric_multimodel.checkpoints import CheckpointError, _serialize, load_state, read_checkpoint
-from fabric_multimodel.collectives import group_rank, group_size
+from fabric_multimodel.collectives import group_rank, group_size, relay_bytes
 
 
 def restart_count() -> int:
@@ -76,12 +76,6 @@ class Resumed(NamedTuple):
     own_step: int
 
 
-#: Bytes per message of a transfer: a message stays short at the slowest link (1 MiB: 8 s at 1 Mbit/s).
-CHUNK_BYTES = 1 << 20
-#: Seconds between two calls of ``progress`` during a transfer.
-PROGRESS_EVERY_S = 5.0
-
-
 def resume_latest(
     fabric: Any,
     path: str | os.PathLike,
@@ -98,19 +92,18 @@ def resume_latest(
     own, :func:`~fabric_multimodel.checkpoints.replica_path`). One small all-gather agrees on the newest
     (by ``state[step_key]``) and tells every rank's node. Ranks whose copy is the newest keep theirs. The
     others receive what they lack, once per node across the link: the lowest rank holding the newest
-    sends it to one rank of each node that lacks it (point to point, in ``CHUNK_BYTES`` messages), which
-    passes it on inside its node.
+    sends it to one rank of each node that lacks it, which passes it on inside its node (point to point,
+    :func:`~fabric_multimodel.collectives.relay_bytes`).
 
     What they lack: with an anchored :class:`~fabric_multimodel.Averager` in ``state`` (DiLoCo,
     ``comm_dtype``), only the Averager's state (the anchors, which are the global model, and the outer
     optimizer) and the plain values. Each inner optimizer keeps its own older copy's state (or its
     state as it is, with no copy), and, past warm-up once every fragment has an anchor, the modules
     start from the anchors. Otherwise the whole checkpoint travels. ``progress(bytes_done, bytes_total,
-    seconds)`` is called on sending and receiving ranks every ``PROGRESS_EVERY_S`` seconds of a transfer
-    and at its end. Then every rank loads into ``state`` as
-    :func:`~fabric_multimodel.checkpoints.load_checkpoint` does (``validate`` first). Returns None,
-    changing nothing, when no rank has a checkpoint: a fresh start. Call it on every rank, before the
-    first collective of training.
+    seconds)`` is called on sending and receiving ranks every few seconds of a transfer and at its end.
+    Then every rank loads into ``state`` as :func:`~fabric_multimodel.checkpoints.load_checkpoint` does
+    (``validate`` first). Returns None, changing nothing, when no rank has a checkpoint: a fresh start.
+    Call it on every rank, before the first collective of training.
 
     Example::
 
@@ -146,7 +139,7 @@ def resume_latest(
         if own_step == newest and any(sender == rank for sender, _ in plan):
             assert mine is not None
             payload = _serialize({k: v for k, v in mine.items() if k not in _kept(state, mine)})
-        data, size = _transfer(plan, rank, payload, getattr(fabric, "device", torch.device("cpu")), progress)
+        data, size = relay_bytes(plan, payload, getattr(fabric, "device", torch.device("cpu")), progress)
         clock.mark("transfer")
         if own_step != newest:
             assert data is not None
@@ -205,48 +198,6 @@ def _plan(steps: list[int], nodes: list[int], newest: int) -> list[tuple[int, in
             across.append((holders[0], entry))
         inside += [(entry, r) for r in lacking if r != entry]
     return across + inside
-
-
-def _transfer(
-    plan: list[tuple[int, int]],
-    rank: int,
-    payload: bytes | None,
-    device: torch.device,
-    progress: Callable[[int, int, float], None] | None,
-) -> tuple[bytes | None, int]:
-    """Carry out this rank's part of ``plan``; returns the bytes it holds at the end (None when it took no part)
-    and their size (0 when it took no part)."""
-    data = payload
-    for sender, receiver in plan:
-        if rank == receiver:
-            size = torch.zeros(1, dtype=torch.int64, device=device)
-            dist.recv(size, src=sender)
-            buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
-            _chunks(buffer, dist.recv, sender, progress)
-            data = buffer.cpu().numpy().tobytes()
-        elif rank == sender:
-            assert data is not None
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-            dist.send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), dst=receiver)
-            _chunks(buffer, dist.send, receiver, progress)
-    return data, len(data) if data is not None and any(rank in pair for pair in plan) else 0
-
-
-def _chunks(
-    buffer: torch.Tensor,
-    move: Callable[[torch.Tensor, int], Any],
-    peer: int,
-    progress: Callable[[int, int, float], None] | None,
-) -> None:
-    """``move`` (``dist.send`` or ``dist.recv``) ``buffer`` to or from ``peer`` in messages of ``CHUNK_BYTES``."""
-    start = reported = time.perf_counter()
-    total = buffer.numel()
-    for offset in range(0, total, CHUNK_BYTES):
-        move(buffer[offset : offset + CHUNK_BYTES], peer)
-        now = time.perf_counter()
-        if progress is not None and (now - reported >= PROGRESS_EVERY_S or offset + CHUNK_BYTES >= total):
-            progress(min(offset + CHUNK_BYTES, total), total, now - start)
-            reported = now
 
 
 class _Phases:

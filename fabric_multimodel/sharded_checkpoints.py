@@ -32,12 +32,14 @@ Example::
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,7 @@ from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import plain_module
 from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError, replica_path
+from fabric_multimodel.collectives import relay_bytes
 from fabric_multimodel.flat import local_part, placed_like
 
 #: The file torch.distributed.checkpoint writes last: a folder without it is not a complete checkpoint.
@@ -71,8 +74,7 @@ def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     group, rank = _site(path, state)
     saved = _stateful(path, state)
     # One name for every process of the site (a site may span hosts that share the folder).
-    temporary = path.parent / f".{path.name}{TEMPORARY_INFIX}save"
-    previous = path.parent / f".{path.name}{TEMPORARY_INFIX}previous"
+    temporary, previous = _beside(path, "save"), _beside(path, "previous")
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         if previous.exists() and not path.exists():  # a save killed between its two renames below
@@ -81,10 +83,7 @@ def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
     dcp.save(saved, checkpoint_id=temporary, process_group=group)
     if rank == 0:
-        if path.exists():
-            path.rename(previous)  # a kill before the next line leaves it whole, under this name
-        temporary.rename(path)
-        shutil.rmtree(previous, ignore_errors=True)
+        _replace(temporary, path)
     dist.barrier(group=group)  # the folder is in place on every process's return
     return path
 
@@ -149,6 +148,23 @@ def saved_step(path: str | os.PathLike, step_key: str = "step") -> int:
     return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
+class ResumedSharded(NamedTuple):
+    """What :func:`resume_latest_sharded` loaded, on this process.
+
+    ``step``: the newest folder's; ``folder``: the one this site loaded; ``values``: its plain values, by
+    name; ``source``: the site whose folder that is (this site's own index when it held the newest);
+    ``bytes``: what this process sent or received of a folder over the link (0: nothing); ``seconds``:
+    how long that took.
+    """
+
+    step: int
+    folder: Path
+    values: dict[str, Any]
+    source: int
+    bytes: int
+    seconds: float
+
+
 def resume_latest_sharded(
     fabric: Any,
     path: str | os.PathLike,
@@ -156,23 +172,27 @@ def resume_latest_sharded(
     *,
     validate: Callable[[dict[str, Any]], None] | None = None,
     step_key: str = "step",
-) -> tuple[Path, dict[str, Any]] | None:
+    progress: Callable[[int, int, float], None] | None = None,
+) -> ResumedSharded | None:
     """Load the newest sharded checkpoint into ``state`` on every process: each site its own folder
-    (``replica_path(path, averager.replica.index)``) when that is the newest, else the newest folder it
-    can read (another site's, in a folder the sites share), from whose anchors the Averager starts it.
+    (``replica_path(path, averager.replica.index)``) when that is the newest, else the newest folder all
+    its processes can read (another site's, in a folder the sites share), from whose anchors the Averager
+    starts it; a site that can read none receives one over the link.
 
     Every process reads the steps of the sites' folders it sees (:func:`saved_step`); one all-gather
-    over the world agrees on the newest and on where each site loads it from, so that a site that can
-    read no folder at that step is one :class:`~fabric_multimodel.checkpoints.CheckpointError` on every
-    process, raised before any load. Then each site loads its folder (:func:`load_sharded`, collectives
-    inside the site) and ``validate`` checks the plain values. Returns the folder and the plain values,
-    or None, changing nothing, when no site has a checkpoint: a fresh start. Call it on every process,
-    before the first collective of training.
+    over the world agrees on the newest and on where each site loads it from. A site that can read no
+    folder at that step gets the newest folder's files from the first site holding it, once, from that
+    site's first process to its own (point to point:
+    :func:`~fabric_multimodel.collectives.relay_bytes`, with ``progress`` as there), which writes them as
+    the site's folder before a barrier over the world; a site's processes share its disk. Then each site
+    loads its folder (:func:`load_sharded`, collectives inside the site) and ``validate`` checks the plain
+    values. Returns None, changing nothing, when no site has a checkpoint: a fresh start. Call it on
+    every process, before the first collective of training.
 
     Example::
 
         resumed = resume_latest_sharded(fabric, out / "checkpoint", state)
-        start = resumed[1]["step"] if resumed else 0
+        start = resumed.step if resumed else 0
     """
     averager = next((value for value in state.values() if _is_averager(value)), None)
     if averager is None:
@@ -180,11 +200,14 @@ def resume_latest_sharded(
     replica = averager.replica
     folders = [replica_path(path, index) for index in range(replica.count)]
     visible = [saved_step(folder, step_key) for folder in folders]  # this process's view, by site
-    mine = torch.tensor([replica.index, *visible], dtype=torch.int64, device=getattr(fabric, "device", None))
+    device = getattr(fabric, "device", None)
+    mine = torch.tensor([replica.index, *visible], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
+    ranks: dict[int, list[int]] = {}  # by site, its processes' global ranks
     seen: dict[int, list[list[int]]] = {}
-    for row in rows:
+    for rank, row in enumerate(rows):
+        ranks.setdefault(int(row[0]), []).append(rank)
         seen.setdefault(int(row[0]), []).append(row[1:].tolist())
     # By site, the step of each folder that all its processes read (they load it together).
     views = {site: [min(steps) for steps in zip(*site_views)] for site, site_views in seen.items()}
@@ -192,21 +215,27 @@ def resume_latest_sharded(
     if newest < 0:
         return None
     sources = {site: _source(view, site, newest) for site, view in views.items()}
-    lost = sorted(site for site, source in sources.items() if source is None)
-    if lost:
-        holding = [str(folders[site]) for site, step in enumerate(visible) if step == newest]
-        raise CheckpointError(
-            f"{path}: the newest checkpoint is at step {newest} ({', '.join(holding) or 'not readable here'}), and"
-            f" site(s) {lost} can read no folder at that step; copy that folder to them, or resume every site from"
-            " one folder given explicitly."
-        )
+    # A site that can read no folder at the newest step receives the folder the first other site loads, from
+    # that site's first process.
+    holder = min(site for site, source in sources.items() if source is not None)
+    held = sources[holder]
+    assert held is not None
+    plan = [(ranks[holder][0], ranks[site][0]) for site, source in sorted(sources.items()) if source is None]
+    sent, seconds = 0, 0.0
+    if plan:
+        start = time.perf_counter()
+        payload = _pack(folders[held]) if dist.get_rank() == plan[0][0] else None
+        data, sent = relay_bytes(plan, payload, device or torch.device("cpu"), progress)
+        if sources[replica.index] is None and data is not None:  # this site's first process: its folder now
+            _unpack(data, folders[replica.index])
+        dist.barrier()  # every receiving site's folder is written before any of its processes reads it
+        seconds = time.perf_counter() - start
     source = sources[replica.index]
-    assert source is not None  # every site has one, or all raised above
-    chosen = folders[source]
+    chosen = folders[replica.index if source is None else source]
     values = load_sharded(chosen, state)
     if validate is not None:
         validate(values)
-    return chosen, values
+    return ResumedSharded(newest, chosen, values, held if source is None else source, sent, seconds)
 
 
 def _source(view: list[int], own: int, newest: int) -> int | None:
@@ -214,6 +243,40 @@ def _source(view: list[int], own: int, newest: int) -> int | None:
     if view[own] == newest:
         return own
     return next((site for site, step in enumerate(view) if step == newest), None)
+
+
+def _pack(folder: Path) -> bytes:
+    """The files of a checkpoint folder, as one ``torch.save`` of their bytes by name."""
+    files = {f.name: torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in sorted(folder.iterdir())}
+    buffer = io.BytesIO()
+    torch.save(files, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes, path: Path) -> None:
+    """Write the files :func:`_pack` packed as the folder ``path``, replacing it only once they are all written."""
+    files = torch.load(io.BytesIO(data), weights_only=True)
+    temporary = _beside(path, "receive")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    for name, content in files.items():
+        (temporary / name).write_bytes(content.numpy().tobytes())
+    _replace(temporary, path)
+
+
+def _replace(temporary: Path, path: Path) -> None:
+    """Put the complete folder ``temporary`` in the place of ``path``: a kill at any point leaves one of the two
+    whole, ``path`` itself or the previous folder under a name the next save puts back."""
+    previous = _beside(path, "previous")
+    if path.exists():
+        path.rename(previous)
+    temporary.rename(path)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _beside(path: Path, what: str) -> Path:
+    """The hidden name beside ``path`` of its folder while ``what`` (save, receive) writes it, or of the previous."""
+    return path.parent / f".{path.name}{TEMPORARY_INFIX}{what}"
 
 
 def _site(path: Path, state: Mapping[str, Any]) -> tuple[Any, int]:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fabric_multimodel import Averager, frozen, replicas_in_sync, setup_models
 from fabric_multimodel.arguments import plain_module
-from fabric_multimodel.checkpoints import CheckpointError, CheckpointWriter, replica_path, save_checkpoint
+from fabric_multimodel.checkpoints import CheckpointWriter, replica_path, save_checkpoint
 from fabric_multimodel.rounds import Header
 from fabric_multimodel.sharded_checkpoints import load_sharded, resume_latest_sharded, save_sharded, saved_step
 from tests.gan import collectives, mlp
@@ -269,15 +269,15 @@ def test_a_sharded_checkpoint_stays_in_its_site_and_resumes_bitwise(sharded_chec
 def one_process_per_site(fabric, folder: str):
     """Every rank a site of its own resumes with ``resume_latest_sharded``: from the 2 x 2 run's folders; from a
     folder with none; from folders where site 1's own is older than site 0's (it rejoins from site 0's); and with
-    each rank its own base folder, only rank 0's holding the checkpoint (no site but 0 can read it)."""
+    each rank its own base folder, only rank 0's holding the checkpoint (the others receive it over the link)."""
     rank, world = fabric.global_rank, fabric.world_size
     sites = [dist.new_group([r]) for r in range(world)]
     model, optimizer, averager = sharded_setup(fabric, sites[rank], None, seed=1)
     state = {"m": model, "opt": optimizer, "averager": averager, "step": 0}
     base = Path(folder)
     found = resume_latest_sharded(fabric, base / "checkpoint", state)
-    assert found is not None
-    resumed = (found[0].name, found[1], full_state(model, optimizer, averager))
+    assert found is not None and found.bytes == 0
+    resumed = (found.folder.name, found.values, full_state(model, optimizer, averager))
 
     nothing: list = []
     calls = collectives(lambda: nothing.append(resume_latest_sharded(fabric, base / f"empty{world}" / "x", state)))
@@ -292,12 +292,18 @@ def one_process_per_site(fabric, folder: str):
     dist.barrier()
     rejoined = resume_latest_sharded(fabric, stale / "checkpoint", state)
     assert rejoined is not None
-    try:
-        resume_latest_sharded(fabric, hosts / "checkpoint", state)
-        lost = ""
-    except CheckpointError as error:
-        lost = str(error)
-    return resumed, nothing, (rejoined[0].name, rejoined[1]), lost
+    model, optimizer, averager = sharded_setup(fabric, sites[rank], None, seed=2)  # nothing loaded yet
+    state = {"m": model, "opt": optimizer, "averager": averager, "step": 0}
+    progress: list[tuple[int, int]] = []
+    calls = collectives(
+        lambda: progress.append(
+            resume_latest_sharded(fabric, hosts / "checkpoint", state, progress=lambda d, t, _: progress.append((d, t)))
+        )
+    )
+    received = progress.pop()
+    folder = sorted(p.name for p in hosts.iterdir())
+    transfer = (received.folder.name, received.source, received.bytes, progress, [n for n, _ in calls], folder)
+    return resumed, nothing, (rejoined.folder.name, rejoined.values), transfer, full_state(model, optimizer, averager)
 
 
 def test_saved_step_reads_a_complete_folder_and_nothing_else(tmp_path):
@@ -323,10 +329,11 @@ def test_saved_step_reads_a_complete_folder_and_nothing_else(tmp_path):
 def test_a_sharded_checkpoint_reshards_into_fewer_devices_and_more_sites(sharded_checkpoints, worlds, sites):
     """Written by 2 processes per site, loaded by 1 (``resume_latest_sharded``): the same state, bitwise. A site
     with no folder of its own (4 sites where 2 saved), or an older one, loads site 0's and starts from the
-    anchors, the global model; a site that can read no folder at the newest step is one error on every rank."""
+    anchors, the global model; a site that can read no folder at the newest step receives one over the link."""
     folder, results = sharded_checkpoints
     saved = [results[0][0], results[2][0]]  # by site
-    for rank, (resumed, nothing, rejoined, lost) in enumerate(worlds(sites).run(one_process_per_site, str(folder))):
+    results = worlds(sites).run(one_process_per_site, str(folder))
+    for rank, (resumed, nothing, rejoined, transfer, received) in enumerate(results):
         name, values, state = resumed
         own = rank < 2
         assert name == replica_path(Path("checkpoint"), rank if own else 0).name and values == {"step": 9}
@@ -339,7 +346,21 @@ def test_a_sharded_checkpoint_reshards_into_fewer_devices_and_more_sites(sharded
         ]
         assert nothing == [None, ["gloo:all_gather"]]  # what each process sees, gathered once; nothing loaded
         assert rejoined == ("checkpoint", {"step": 9})  # site 1's own folder is at step 5
-        assert "step 9" in lost and f"site(s) {list(range(1, sites))} can read no folder" in lost, lost
+        # Each rank its own base folder: site 0 loads its own; every other site receives it from rank 0, writes it
+        # as its folder, and starts from its anchors.
+        name, source, size, progress, issued, written = transfer
+        assert source == 0 and written == [name] == ["checkpoint" if rank == 0 else f"checkpoint.replica{rank}"]
+        folder_bytes = sum(f.stat().st_size for f in (folder / "checkpoint").iterdir())
+        assert folder_bytes < size < folder_bytes + 4096 and progress[-1] == (size, size)  # the files, packed
+        assert size == results[1][3][2]  # what rank 0 sent (to each other site) is what each received
+        # One all-gather to agree, the size and the folder (under 1 MiB: one message) point to point to each other
+        # site, and one barrier (the folders are written); then DCP's load inside the site.
+        moved = ["gloo:send"] * 2 * (sites - 1) if rank == 0 else ["gloo:recv"] * 2
+        assert issued[: issued.index("gloo:barrier") + 1] == ["gloo:all_gather", *moved, "gloo:barrier"], issued
+        expected = saved[0]
+        if rank:
+            expected = expected | {f"param {k[7:]}": v for k, v in saved[0].items() if k.startswith("anchor ")}
+        assert all(torch.equal(received[k], expected[k]) for k in received)
 
 
 def averager_memory(fabric, options: dict):

@@ -494,10 +494,11 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
     finally:
         end_the_tool(proc)
     # The sharded run resumed up to step 9, both at once: from its folders given (each site its own), and with
-    # --resume auto from a copy of its run folder without site 1's (site 1 rejoins from site 0's anchors).
-    shutil.copytree(base / "lm", base / "lm-auto", ignore=shutil.ignore_patterns("checkpoint.replica1"))
+    # --resume auto, each site its own run folder (no shared disk): site 0's a copy of the run's without site 1's
+    # folder, site 1's empty (site 1 receives site 0's folder over the link and starts from its anchors).
+    shutil.copytree(base / "lm", base / "lm-auto0", ignore=shutil.ignore_patterns("checkpoint.replica1"))
     resumes = {"resumed": ["--resume", str(base / "lm" / "checkpoint"), "--out", str(base / "lm-resumed")]}
-    resumes["auto"] = ["--resume", "auto", "--out", str(base / "lm-auto")]
+    resumes["auto"] = ["--resume", "auto", "--out", str(base / "lm-auto{site}")]
     started = {}
     for name, flags in resumes.items():
         resume = [*TOOL, "--sites", "2", "--devices", "2", "--bandwidth", "none", "--timeout", str(TIMEOUT_S)]
@@ -553,16 +554,25 @@ def test_the_examples_train_across_two_sites(examples, name, keys):
 
 @pytest.mark.parametrize("name", ["resumed", "auto"])
 def test_a_sharded_run_resumes_from_its_sites_folders(examples, name):
-    """--resume FOLDER: each site loads its own folder; --resume auto without site 1's folder: site 1 loads site
-    0's and starts from its anchors. The schedule and the byte counts go on from step 6 (rounds at 5 and on
-    leaving at 6, then at 8 and on leaving at 9)."""
+    """--resume FOLDER: each site loads its own folder; --resume auto, each site its own run folder and site 1's
+    empty: site 1 receives site 0's folder over the link, writes it as its own and starts from its anchors. The
+    schedule and the byte counts go on from step 6 (rounds at 5 and on leaving at 6, then at 8 and on leaving
+    at 9)."""
     code, stdout, stderr, _, logs = examples[name]
     assert code == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     if name == "auto":  # site 0's lines reach the tool's stdout; site 1's are in its log
-        checkpoint = logs.parent / "lm-auto" / "checkpoint"
-        assert f"--resume auto: step 6 from {checkpoint} (its own)" in stdout, stdout[-3000:]
-        rejoined = f"--resume auto: step 6 from {checkpoint} (another site's: it starts from the anchors)"
-        assert rejoined in (logs / "site1.out").read_text()
+        own, other = (re.escape(str(logs.parent / folder)) for folder in ("lm-auto0/checkpoint", "lm-auto1"))
+        sent = re.search(
+            rf"--resume auto: step 6 from {own} \(its own; sent ([\d.]+) MB to sites without one\)", stdout
+        )
+        assert sent and float(sent[1]) > 0, stdout[-3000:]
+        received = re.search(
+            rf"--resume auto: step 6 from {other}/checkpoint\.replica1 \(site 0's, received ([\d.]+) MB in [\d.]+ s"
+            r" over the link: it starts from the anchors\)",
+            (logs / "site1.out").read_text(),
+        )
+        assert received and received[1] == sent[1]
+        assert (logs.parent / "lm-auto1" / "checkpoint.replica1" / ".metadata").is_file()
         assert "checkpoints after rounds: 1 sharded saves" in stdout, stdout[-3000:]  # at step 8
     final = parse_final_line(stdout, LM_KEYS)
     first = parse_final_line(examples["lm"][1], LM_KEYS)

@@ -31,7 +31,8 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     p = _Parser(
         prog="python -m fabric_multimodel.sites",
         usage="%(prog)s --sites S --devices D --bandwidth RATE [options] -- SCRIPT [ARGS ...]",
-        description="Run a Fabric script as S simulated sites (network namespaces) joined by links of a given rate.",
+        description="Run a Fabric script as S simulated sites (network namespaces) joined by links of a given rate."
+        " {site} in ARGS becomes each site's index (--out runs/x/site{site}: a folder per site).",
     )
     p.add_argument("--sites", type=int, required=True, help="sites (nodes), each in its own network namespace")
     p.add_argument("--devices", type=int, required=True, help="processes per site")

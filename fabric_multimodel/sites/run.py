@@ -175,7 +175,8 @@ def run_sites(
     and on SIGTERM (raised as ``Terminated`` when it runs in the main thread). Raises ``SitesError`` for a
     setting or precondition that stops it before anything is made. ``cpu`` (``{site: share}``) runs each of those
     sites' processes with ``share`` of one core (a cgroup quota, see :mod:`~fabric_multimodel.sites.cpu`), said in
-    the first line and removed at the end.
+    the first line and removed at the end. ``{site}`` in ``args`` becomes each site's index (``--out
+    runs/x/site{site}``: a folder per site, as sites without a shared disk have).
 
     Example::
 
@@ -214,10 +215,11 @@ def run_sites(
             say(_link_line(net, devices, measured, limits))
             environment = site_environment(net.run_id, launcher, env)
             options: dict[str, Any] = {"sites": net, "devices": devices, "port": port, "max_restarts": max_restarts}
-            commands = [
-                [*(limits[r].prefix() if r in limits else []), *site_command(launcher, script, args, site=r, **options)]
-                for r in range(sites)
-            ]
+            commands = []
+            for r in range(sites):
+                own = [arg.replace("{site}", str(r)) for arg in args]
+                prefix = limits[r].prefix() if r in limits else []
+                commands.append([*prefix, *site_command(launcher, script, own, site=r, **options)])
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
             run = _Run(net, launchers)
             try:
