@@ -630,8 +630,8 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
                 return
             state.update(found.values)
             if fabric.local_rank == 0:  # each site says where it started: its own folder, or another's anchors
-                where = whose(found, averager.replica.index)
-                print(f"--resume auto: step {found.step} from {found.folder} ({where})", flush=True)
+                where = resumed_from(found, averager.replica.index)
+                print(f"--resume auto: step {found.step} from {where}", flush=True)
             extra = {}
         elif sharded:
             extra = load_sharded_run(fabric, path, state, same_settings)
@@ -672,15 +672,16 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
         )
 
 
-def whose(found: ResumedSharded, site: int) -> str:
-    """Where site ``site``'s sharded resume came from: its own folder, another site's, or another site's received
-    over the link (then written as its own)."""
+def resumed_from(found: ResumedSharded, site: int) -> str:
+    """Where site ``site``'s sharded resume came from: its own folder, another site's, or another site's state
+    received over the link."""
     if found.source == site:
-        return f"its own; sent {found.bytes / 1e6:.2f} MB to sites without one" if found.bytes else "its own"
+        sent = f"; sent {found.bytes / 1e6:.2f} MB to sites without one" if found.bytes else ""
+        return f"{found.folder} (its own{sent})"
     if found.bytes:
-        received = f"received {found.bytes / 1e6:.2f} MB in {found.seconds:.1f} s over the link"
-        return f"site {found.source}'s, {received}: it starts from the anchors"
-    return "another site's: it starts from the anchors"
+        received = f"{found.bytes / 1e6:.2f} MB in {found.seconds:.1f} s"
+        return f"site {found.source} over the link ({received}: it starts from the anchors)"
+    return f"{found.folder} (another site's: it starts from the anchors)"
 
 
 def load_sharded_run(

@@ -165,7 +165,7 @@ def _kept(state: dict[str, Any], checkpoint: dict[str, Any]) -> set[str]:
     if not averagers:
         return set()
     kept = {key for key, value in state.items() if hasattr(value, "param_groups")}  # inner optimizers
-    if all(_holds_global_model(state[key], checkpoint[key]) for key in averagers):
+    if all(holds_global_model(state[key], checkpoint[key]) for key in averagers):
         kept |= {key for key, value in state.items() if isinstance(value, nn.Module)}
     return kept
 
@@ -174,8 +174,15 @@ def _anchored_averagers(state: dict[str, Any]) -> list[Averager]:
     return [value for value in state.values() if isinstance(value, Averager) and value.anchored]
 
 
-def _holds_global_model(averager: Averager, saved: Any) -> bool:
-    """Whether an Averager's saved state anchors every fragment: past warm-up, none still to have its first round."""
+def holds_global_model(averager: Averager, saved: Any) -> bool:
+    """Whether an Averager's saved state anchors every fragment (past warm-up, none still to have its first
+    round), so that its anchors and outer optimizer are all a replica needs to start from the global model.
+
+    Example::
+
+        if holds_global_model(averager, checkpoint["averager"]):
+            print("the anchors are the global model")
+    """
     return (
         isinstance(saved, dict) and saved.get("steps", -1) >= averager.warmup_steps and not saved.get("fresh_fragments")
     )

@@ -68,11 +68,18 @@ def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
 
         save_sharded(replica_path(out / "checkpoint", averager.replica.index), {"model": model, "step": step})
     """
-    import torch.distributed.checkpoint as dcp
 
     path = Path(path)
     group, rank = _site(path, state)
-    saved = _stateful(path, state)
+    _write(path, _stateful(path, state), group, rank)
+    return path
+
+
+def _write(path: Path, saved: dict[str, Any], group: Any, rank: int) -> None:
+    """``dcp.save`` of ``saved`` over the site's ``group`` into a temporary folder, which then takes the place of
+    ``path``; ``rank`` is this process's in the group."""
+    import torch.distributed.checkpoint as dcp
+
     # One name for every process of the site (a site may span hosts that share the folder).
     temporary, previous = _beside(path, "save"), _beside(path, "previous")
     if rank == 0:
@@ -85,7 +92,6 @@ def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     if rank == 0:
         _replace(temporary, path)
     dist.barrier(group=group)  # the folder is in place on every process's return
-    return path
 
 
 def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,10 +107,16 @@ def load_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> dict[str,
 
         step = load_sharded(folder, {"model": model, "opt": opt, "averager": averager, "step": 0})["step"]
     """
-    import torch.distributed.checkpoint as dcp
 
     path = Path(path)
     group, _ = _site(path, state)
+    return _load(path, state, group)
+
+
+def _load(path: Path, state: Mapping[str, Any], group: Any) -> dict[str, Any]:
+    """``dcp.load`` of the folder ``path`` over the site's ``group`` into the objects of ``state``; the plain values."""
+    import torch.distributed.checkpoint as dcp
+
     if not (path / METADATA).is_file():
         raise CheckpointError(f"{path}: not a complete sharded checkpoint (no {METADATA}; was its save interrupted?).")
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -151,10 +163,11 @@ def saved_step(path: str | os.PathLike, step_key: str = "step") -> int:
 class ResumedSharded(NamedTuple):
     """What :func:`resume_latest_sharded` loaded, on this process.
 
-    ``step``: the newest folder's; ``folder``: the one this site loaded; ``values``: its plain values, by
-    name; ``source``: the site whose folder that is (this site's own index when it held the newest);
-    ``bytes``: what this process sent or received of a folder over the link (0: nothing); ``seconds``:
-    how long that took.
+    ``step``: the newest folder's; ``folder``: the one this site loaded (a site that received its state:
+    the source site's, by the name this process would give it); ``values``: its plain values, by name;
+    ``source``: the site whose folder that is (this site's own index when it held the newest);
+    ``bytes``: what this process sent or received over the link (0: nothing); ``seconds``: how long that
+    took.
     """
 
     step: int
@@ -180,14 +193,16 @@ def resume_latest_sharded(
     starts it; a site that can read none receives one over the link.
 
     Every process reads the steps of the sites' folders it sees (:func:`saved_step`); one all-gather
-    over the world agrees on the newest and on where each site loads it from. A site that can read no
-    folder at that step gets the newest folder's files from the first site holding it, once, from that
-    site's first process to its own (point to point:
-    :func:`~fabric_multimodel.collectives.relay_bytes`, with ``progress`` as there), which writes them as
-    the site's folder before a barrier over the world; a site's processes share its disk. Then each site
-    loads its folder (:func:`load_sharded`, collectives inside the site) and ``validate`` checks the plain
-    values. Returns None, changing nothing, when no site has a checkpoint: a fresh start. Call it on
-    every process, before the first collective of training.
+    over the world agrees on the newest and on where each site loads it from, and each site that can
+    loads its folder (:func:`load_sharded`'s collectives, inside the site). A site that can read no
+    folder at that step receives what it needs from the first site that loaded one, once, from that
+    site's first process to its own (point to point: :func:`~fabric_multimodel.collectives.relay_bytes`,
+    with ``progress`` as there), into a hidden folder beside its own that its processes load and then
+    remove (they share its disk): with an anchored Averager past warm-up, its state and the plain values
+    only (the site's modules start from the anchors, its inner optimizers keep their state, as
+    :func:`~fabric_multimodel.elastic.resume_latest` does), else the whole folder. ``validate`` checks
+    the plain values. Returns None, changing nothing, when no site has a checkpoint: a fresh start.
+    Call it on every process, before the first collective of training.
 
     Example::
 
@@ -221,21 +236,81 @@ def resume_latest_sharded(
     held = sources[holder]
     assert held is not None
     plan = [(ranks[holder][0], ranks[site][0]) for site, source in sorted(sources.items()) if source is None]
+    source = sources[replica.index]
+    group, site_rank = _site(Path(path), state)
+    values = _load(folders[source], state, group) if source is not None else {}
     sent, seconds = 0, 0.0
     if plan:
         start = time.perf_counter()
-        payload = _pack(folders[held]) if dist.get_rank() == plan[0][0] else None
-        data, sent = relay_bytes(plan, payload, device or torch.device("cpu"), progress)
-        if sources[replica.index] is None and data is not None:  # this site's first process: its folder now
-            _unpack(data, folders[replica.index])
-        dist.barrier()  # every receiving site's folder is written before any of its processes reads it
+        received = _beside(folders[replica.index], "receive")
+        site = (group, site_rank)
+        # The holding site sends its state as loaded: its objects, and the plain values it read.
+        loaded = {**state, **values}
+        part = _relay_state(plan, loaded, folders[held], received, site, holder == replica.index, device, progress)
+        sent = part.bytes
+        if source is None:
+            values = _load(received, part.state, group)
+            dist.barrier(group=group)  # every process of the site has read the folder
+            if site_rank == 0:
+                shutil.rmtree(received)
         seconds = time.perf_counter() - start
-    source = sources[replica.index]
-    chosen = folders[replica.index if source is None else source]
-    values = load_sharded(chosen, state)
     if validate is not None:
         validate(values)
-    return ResumedSharded(newest, chosen, values, held if source is None else source, sent, seconds)
+    origin = held if source is None else source
+    return ResumedSharded(newest, folders[origin], values, origin, sent, seconds)
+
+
+class _Relayed(NamedTuple):
+    state: dict[str, Any]  # what a receiving site loads
+    bytes: int  # what this process sent or received
+
+
+def _relay_state(
+    plan: list[tuple[int, int]],
+    state: Mapping[str, Any],
+    folder: Path,
+    received: Path,
+    site: tuple[Any, int],
+    holding: bool,
+    device: Any,
+    progress: Callable[[int, int, float], None] | None,
+) -> _Relayed:
+    """Send the first process of each receiving site (the receivers of ``plan``) what it needs from the holding
+    site's loaded state, written into ``received``; every process of the world calls it.
+
+    With an anchored Averager whose anchors are the global model (:func:`~fabric_multimodel.elastic.
+    holds_global_model`), that is the Averager's state and the plain values: the holding site writes them
+    into a folder of their own (``dcp.save`` inside the site), and a receiving site starts its modules from
+    the anchors and keeps its inner optimizers' state. Otherwise the holding site's whole ``folder``
+    travels. One broadcast over the world tells every process which (the holder knows it, having loaded
+    the state), then the transfer point to point, then a barrier: the folders are written."""
+    from fabric_multimodel.elastic import holds_global_model
+
+    sender = plan[0][0]
+    flag = torch.zeros(1, dtype=torch.int64, device=device)
+    if dist.get_rank() == sender:
+        averagers = [value for value in state.values() if _is_averager(value)]
+        flag[0] = all(value.anchored and holds_global_model(value, value.state_dict()) for value in averagers)
+    dist.broadcast(flag, src=sender)
+    needed = dict(state)
+    if bool(flag):  # the modules and inner optimizers stay as they are
+        needed = {k: v for k, v in state.items() if not isinstance(v, nn.Module) and not _is_optimizer(v)}
+    payload = None
+    if holding:  # the sender is the holding site's first process
+        group, rank = site
+        if bool(flag):
+            outbox = _beside(folder, "send")
+            _write(outbox, _stateful(folder, needed), group, rank)
+            if rank == 0:
+                payload = _pack(outbox)
+                shutil.rmtree(outbox)
+        elif rank == 0:
+            payload = _pack(folder)
+    data, size = relay_bytes(plan, payload, device or torch.device("cpu"), progress)
+    if any(dist.get_rank() == receiver for _, receiver in plan) and data is not None:
+        _unpack(data, received)
+    dist.barrier()
+    return _Relayed(needed, size)
 
 
 def _source(view: list[int], own: int, newest: int) -> int | None:
@@ -254,14 +329,12 @@ def _pack(folder: Path) -> bytes:
 
 
 def _unpack(data: bytes, path: Path) -> None:
-    """Write the files :func:`_pack` packed as the folder ``path``, replacing it only once they are all written."""
+    """Write the files :func:`_pack` packed into the new folder ``path`` (what a killed receive left there goes)."""
     files = torch.load(io.BytesIO(data), weights_only=True)
-    temporary = _beside(path, "receive")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir(parents=True)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
     for name, content in files.items():
-        (temporary / name).write_bytes(content.numpy().tobytes())
-    _replace(temporary, path)
+        (path / name).write_bytes(content.numpy().tobytes())
 
 
 def _replace(temporary: Path, path: Path) -> None:

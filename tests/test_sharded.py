@@ -303,6 +303,7 @@ def one_process_per_site(fabric, folder: str):
     received = progress.pop()
     folder = sorted(p.name for p in hosts.iterdir())
     transfer = (received.folder.name, received.source, received.bytes, progress, [n for n, _ in calls], folder)
+    transfer += (received.values, averager.steps)
     return resumed, nothing, (rejoined.folder.name, rejoined.values), transfer, full_state(model, optimizer, averager)
 
 
@@ -348,18 +349,23 @@ def test_a_sharded_checkpoint_reshards_into_fewer_devices_and_more_sites(sharded
         assert rejoined == ("checkpoint", {"step": 9})  # site 1's own folder is at step 5
         # Each rank its own base folder: site 0 loads its own; every other site receives it from rank 0, writes it
         # as its folder, and starts from its anchors.
-        name, source, size, progress, issued, written = transfer
-        assert source == 0 and written == [name] == ["checkpoint" if rank == 0 else f"checkpoint.replica{rank}"]
+        name, source, size, progress, issued, written, values, steps = transfer
+        assert (name, source, values, steps) == ("checkpoint", 0, {"step": 9}, 9)  # site 0's folder and counters
+        assert written == (["checkpoint"] if rank == 0 else [])  # a received folder is loaded, then removed
+        # DiLoCo past warm-up: the anchors and the outer momentum travel, not the parameters and Adam's moments.
         folder_bytes = sum(f.stat().st_size for f in (folder / "checkpoint").iterdir())
-        assert folder_bytes < size < folder_bytes + 4096 and progress[-1] == (size, size)  # the files, packed
+        assert 0 < size < 0.6 * folder_bytes and progress[-1] == (size, size), (size, folder_bytes)
         assert size == results[1][3][2]  # what rank 0 sent (to each other site) is what each received
-        # One all-gather to agree, the size and the folder (under 1 MiB: one message) point to point to each other
-        # site, and one barrier (the folders are written); then DCP's load inside the site.
-        moved = ["gloo:send"] * 2 * (sites - 1) if rank == 0 else ["gloo:recv"] * 2
-        assert issued[: issued.index("gloo:barrier") + 1] == ["gloo:all_gather", *moved, "gloo:barrier"], issued
+        # First the all-gather that agrees; then, point to point, the size and the state (under 1 MiB: one message)
+        # to each other site; DCP's collectives stay inside each site (here one process).
+        assert issued[0] == "gloo:all_gather"
+        moved = issued.count("gloo:send") if rank == 0 else issued.count("gloo:recv")
+        assert moved == (2 * (sites - 1) if rank == 0 else 2), issued
         expected = saved[0]
-        if rank:
+        if rank:  # the parameters from the anchors; the inner optimizer as built (its moments zero, never stepped)
             expected = expected | {f"param {k[7:]}": v for k, v in saved[0].items() if k.startswith("anchor ")}
+            expected |= {k: torch.zeros_like(v) for k, v in saved[0].items() if k.startswith("inner ")}
+        assert set(received) == set(expected)
         assert all(torch.equal(received[k], expected[k]) for k in received)
 
 
