@@ -312,7 +312,7 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 
 def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--shard node: FSDP2 inside each node, the Averager across nodes; what it does not do yet is one line."""
+    """--shard node: FSDP2 inside each node, the Averager across nodes; a setting it cannot take is one line."""
     if not args.period:
         p.error("--shard node needs --period N: the models are sharded inside each node and averaged across nodes")
     if args.layout == "flat" and not getattr(args, "layout_chosen", False) or args.node_period:
@@ -320,8 +320,6 @@ def check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     args.layout = "islands"
     if math.prod(world_shape(args)) == 1:
         p.error("--shard node shards over a node's processes: start several (--devices N), this run has one")
-    if args.error_feedback:
-        p.error("--shard node: --error-feedback's residuals are not kept in sharded checkpoints yet; drop it")
 
 
 def mode_name(args: argparse.Namespace) -> str:

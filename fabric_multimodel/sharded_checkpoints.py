@@ -11,12 +11,13 @@ Loading reshards: a folder written by ``D`` processes per site loads into ``D'``
 no folder of its own (a new one, or one of more sites) loads another's and starts from the anchors,
 the global model (``Averager.load_state_dict`` does that when the replica index differs).
 
-:func:`resume_latest_sharded` is ``--resume auto`` for such runs: every site loads the newest folder it can read,
-its own when that is the newest.
+:func:`resume_latest_sharded` is ``--resume auto`` for such runs: every site loads the newest folder, its own
+when that is the newest; a site that can read none receives what it needs over the link.
 
-What it does not keep: the error-feedback residuals of low-bit rounds (``error_feedback=True``), which
-are laid out by the ranks that quantized them; such an Averager is refused with a
-:class:`~fabric_multimodel.checkpoints.CheckpointError` before anything is written.
+The error-feedback residuals of low-bit rounds (``error_feedback=True``) are each process's own, laid
+out by its quantization of its shards: each goes under a key of its own rank in the site, and a folder
+written by another number of processes per site has none for it, so error feedback starts again from
+zero there (as it does when a site starts from another's anchors).
 
 Example::
 
@@ -71,7 +72,7 @@ def save_sharded(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
 
     path = Path(path)
     group, rank = _site(path, state)
-    _write(path, _stateful(path, state), group, rank)
+    _write(path, _stateful(path, state, rank), group, rank)
     return path
 
 
@@ -123,11 +124,16 @@ def _load(path: Path, state: Mapping[str, Any], group: Any) -> dict[str, Any]:
     for name in state:
         if not any(key == name or key.startswith(f"{name}.") for key in saved):
             raise CheckpointError(f"{path}: holds no `{name}`; it holds {sorted({k.split('.')[0] for k in saved})}.")
-    template = _stateful(path, state)
+    template = _stateful(path, state, dist.get_rank(group))
+    restarted = {}  # error-feedback residuals the folder does not hold for this rank: they start at zero
     for name, value in state.items():
         if _is_averager(value):
             _add_outer_state(template[name], saved, name)
+            restarted[name] = _own_residuals(template[name], saved, name)
     dcp.load(template, checkpoint_id=path, process_group=group)
+    for name, residuals in restarted.items():
+        if residuals:
+            template[name]["error_feedback"] = residuals
     return _apply(path, state, template)
 
 
@@ -300,7 +306,11 @@ def _relay_state(
         group, rank = site
         if bool(flag):
             outbox = _beside(folder, "send")
-            _write(outbox, _stateful(folder, needed), group, rank)
+            saved = _stateful(folder, needed, rank)
+            for name, value in needed.items():  # a site that starts from another's anchors clears its residuals
+                if _is_averager(value):
+                    saved[name].pop("error_feedback", None)
+            _write(outbox, saved, group, rank)
             if rank == 0:
                 payload = _pack(outbox)
                 shutil.rmtree(outbox)
@@ -377,8 +387,10 @@ def _site(path: Path, state: Mapping[str, Any]) -> tuple[Any, int]:
     return group, dist.get_rank(group)
 
 
-def _stateful(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` in the form torch.distributed.checkpoint saves and loads: each object's state dict, by name."""
+def _stateful(path: Path, state: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """``state`` in the form torch.distributed.checkpoint saves and loads: each object's state dict, by name. An
+    Averager's error-feedback residuals are this process's own (laid out by its quantization of its shards):
+    they go under a key of its own, ``error_feedback.rank<rank in the site>``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     out: dict[str, Any] = {}
@@ -390,10 +402,7 @@ def _stateful(path: Path, state: Mapping[str, Any]) -> dict[str, Any]:
         elif hasattr(value, "state_dict"):
             out[name] = value.state_dict()
             if _is_averager(value) and "error_feedback" in out[name]:
-                raise CheckpointError(
-                    f"{path}: `{name}` keeps error-feedback residuals, which a sharded checkpoint does not save"
-                    " (they are laid out by the ranks that quantized them); drop `error_feedback` or save another way."
-                )
+                out[name]["error_feedback"] = {f"rank{rank}": out[name]["error_feedback"]}
         else:
             out[name] = value
     return out
@@ -410,10 +419,29 @@ def _apply(path: Path, state: Mapping[str, Any], loaded: dict[str, Any]) -> dict
         elif _is_optimizer(value):
             set_optimizer_state_dict(_owner(path, name, value, state), _optimizer(value), loaded[name])
         elif hasattr(value, "load_state_dict"):
+            if _is_averager(value) and "error_feedback" in loaded[name]:
+                (loaded[name]["error_feedback"],) = loaded[name]["error_feedback"].values()  # this rank's own
             value.load_state_dict(loaded[name])
         else:
             values[name] = loaded[name]
     return values
+
+
+def _own_residuals(template: dict[str, Any], saved: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """This rank's error-feedback residuals when the folder holds none of their sizes for it (written by another
+    number of processes per site): taken out of ``template`` and returned as zeros, what error feedback starts
+    from. Empty when the folder holds them, or the Averager keeps none."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    own = template.get("error_feedback")
+    if own is None:
+        return {}
+    ((key, residuals),) = own.items()
+    stored = [saved.get(f"{name}.error_feedback.{key}.{i}") for i in range(len(residuals))]
+    if all(isinstance(m, TensorStorageMetadata) and tuple(m.size) == tuple(r.shape) for m, r in zip(stored, residuals)):
+        return {}
+    del template["error_feedback"]
+    return {key: [torch.zeros_like(r) for r in residuals]}
 
 
 def _add_outer_state(template: dict[str, Any], saved: Mapping[str, Any], name: str) -> None:

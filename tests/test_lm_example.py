@@ -318,10 +318,6 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--pace", "speed"], "--pace speed needs --period N"),
         (["--pace", "speed", "--period", "8", "--fragments", "2"], "no --fragments, --overlap-steps"),
         (["--pace", "speed", "--period", "8", "--warmup-steps", "1"], "--warmup-steps 2 or more"),
-        (
-            ["--shard", "node", "--period", "4", "--devices", "2", "--comm-dtype", "float8_e4m3fn", "--error-feedback"],
-            "--error-feedback",
-        ),
         (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "no/such/folder"], "no such folder"),
     ],
 )

@@ -138,8 +138,6 @@ def sharded_mistakes(fabric):
     site, peers = sites_of_two(fabric)
     (model,) = setup_models(fabric, m=mlp([3, 4, 2]), shard=site)
     (replica,) = setup_models(fabric, r=mlp([3, 4, 2]), process_group=site)
-    lowbit = {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True}
-    feedback = Averager(fabric, model, period=4, process_group=peers, **lowbit)
     attempts = {
         "node_period": lambda: Averager(fabric, model, period=4, node_period=2, node_group=site, process_group=peers),
         "mixed": lambda: Averager(fabric, [model, replica], period=4, process_group=peers),
@@ -150,7 +148,6 @@ def sharded_mistakes(fabric):
         "writer": lambda: CheckpointWriter(NEVER_WRITTEN, enabled=fabric.global_rank == 0).save({"m": model}),
         "save_checkpoint": lambda: save_checkpoint(fabric, NEVER_WRITTEN, {"m": model, "step": 1}),
         "save_sharded without shards": lambda: save_sharded(NEVER_WRITTEN, {"r": replica, "step": 1}),
-        "save_sharded error feedback": lambda: save_sharded(NEVER_WRITTEN, {"m": model, "averager": feedback}),
         "load_sharded no folder": lambda: load_sharded(NEVER_WRITTEN, {"m": model}),
     }
     found = {}
@@ -173,7 +170,6 @@ def test_a_mistake_with_sharded_models_is_one_clear_error_on_every_rank(worlds):
         "writer": f"CheckpointError: {NEVER_WRITTEN}: `m` holds FSDP2 shards",
         "save_checkpoint": f"CheckpointError: {NEVER_WRITTEN}: `m` holds FSDP2 shards",
         "save_sharded without shards": f"CheckpointError: {NEVER_WRITTEN}: a sharded checkpoint needs FSDP2 modules",
-        "save_sharded error feedback": f"CheckpointError: {NEVER_WRITTEN}: `averager` keeps error-feedback residuals",
         "load_sharded no folder": f"CheckpointError: {NEVER_WRITTEN}: not a complete sharded checkpoint",
     }
     for found in worlds(4).run(sharded_mistakes):
@@ -183,7 +179,11 @@ def test_a_mistake_with_sharded_models_is_one_clear_error_on_every_rank(worlds):
 
 # --- sharded checkpoints: torch.distributed.checkpoint inside each site ------------------------------------
 
-CHECKPOINTED = {"period": 4, "warmup_steps": 2, "outer_optimizer": NESTEROV, "fragments": 2}
+# fp8 pseudo-gradients with error feedback: each rank's residuals are kept too (a resume is bitwise only with them).
+CHECKPOINTED = {
+    "period": 4, "warmup_steps": 2, "outer_optimizer": NESTEROV, "fragments": 2,
+    "comm_dtype": torch.float8_e4m3fn, "error_feedback": True,
+}  # fmt: skip
 
 
 def full_state(model, optimizer, averager) -> dict[str, torch.Tensor]:

@@ -469,14 +469,16 @@ def test_a_signal_to_the_tool_stops_every_site_and_removes_the_network(runs, sig
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, str | None, Path]]:
-    """examples/lm_fabric.py (DiLoCo, FSDP2 inside each site of 2 processes, a sharded checkpoint at step 3, after
-    each round and at the end) and examples/gan_fabric.py (local SGD paced by speed, one process per site), 6 steps
-    each, at 100 mbit, both at once: the LM by the command line (stdout: the tool's lines and site 0's output), the
-    GAN by ``run_sites`` (site 0's stdout log); then the LM resumed twice at once (its folders given; --resume auto
-    without site 1's folder). (exit code, output, errors, run id, run folder or sites' logs) by name."""
+    """examples/lm_fabric.py (DiLoCo with fp8 pseudo-gradients and error feedback, FSDP2 inside each site of 2
+    processes, a sharded checkpoint at step 3, after each round and at the end) and examples/gan_fabric.py (local
+    SGD paced by speed, one process per site), 6 steps each, at 100 mbit, both at once: the LM by the command line
+    (stdout: the tool's lines and site 0's output), the GAN by ``run_sites`` (site 0's stdout log); then the LM
+    resumed twice at once (its folders given; --resume auto with a run folder per site, site 1's empty). (exit
+    code, output, errors, run id, run folder or sites' logs) by name."""
     base = tmp_path_factory.mktemp("examples")
     schedule = ["--steps", "6", "--period", "3", "--warmup-steps", "2", "--checkpoint-every", "0"]
     lm = [str(ROOT / "examples" / "lm_fabric.py"), *schedule, "--outer", "nesterov", "--log-every", "3"]
+    lm += ["--comm-dtype", "float8_e4m3fn", "--error-feedback"]  # each process's residuals in its site's folder
     lm += ["--eval-batches", "1", "--shard", "node", "--checkpoint-every", "3", "--checkpoint-rounds"]
     lm += ["--out", str(base / "lm")]
     gan = [*schedule, "--pace", "speed", "--out", str(base / "gan")]
