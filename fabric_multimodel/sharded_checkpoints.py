@@ -236,8 +236,8 @@ def resume_latest_sharded(
     if newest < 0:
         return None
     sources = {site: _source(view, site, newest) for site, view in views.items()}
-    # A site that can read no folder at the newest step receives the folder the first other site loads, from
-    # that site's first process.
+    # A site that can read no folder at the newest step receives what it needs (see _relay_state) from the first
+    # site that loads a folder, from that site's first process.
     holder = min(site for site, source in sources.items() if source is not None)
     held = sources[holder]
     assert held is not None
