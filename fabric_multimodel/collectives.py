@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -40,6 +41,31 @@ def all_gather_single(
     return getattr(dist, ALL_GATHER_SINGLE)(output, input, group=group, async_op=async_op)
 
 
+def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """A process group of ``ranks``, or None on a rank outside it. Every rank calls it for every group, in the
+    same order (``torch.distributed.new_group``, whose return type also admits a non-member sentinel).
+
+    Example::
+
+        node = new_group([0, 1])  # on ranks 2 and 3: None
+    """
+    group = dist.new_group(list(ranks))
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
+def wait_all(work: Iterable[dist.Work | None]) -> None:
+    """Wait for each of ``work``: what collectives called with ``async_op=True`` return (None on a rank with
+    nothing to wait for, in some versions' types).
+
+    Example::
+
+        wait_all([dist.all_reduce(t, async_op=True) for t in tensors])
+    """
+    for w in work:
+        if w is not None:
+            w.wait()
+
+
 def group_size(group: ProcessGroup = None) -> int:
     """Number of ranks in ``group`` (the default group when None); 1 without torch.distributed.
 
@@ -48,9 +74,11 @@ def group_size(group: ProcessGroup = None) -> int:
         if group_size() == 1:
             return  # nothing to average
     """
+    if group is not None:
+        return group.size()
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    return dist.get_world_size(group)
+    return dist.get_world_size()
 
 
 def group_rank(group: ProcessGroup = None) -> int:
@@ -61,21 +89,71 @@ def group_rank(group: ProcessGroup = None) -> int:
         if group_rank(node_group) == 0:
             print("first process of this node")
     """
+    if group is not None:
+        return group.rank()
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    return dist.get_rank(group)
+    return dist.get_rank()
 
 
 def group_ranks(group: ProcessGroup = None) -> list[int]:
     """The global ranks of ``group`` (the default group when None), in group order; ``[0]`` without torch.distributed.
+    A standalone group (:func:`standalone_group`, a membership epoch's) spans processes of several worlds and has
+    no global ranks: its own ranks, ``0..size-1``.
 
     Example::
 
-        source = group_ranks(across_nodes)[0]  # the group's first rank, as a global rank for dist.broadcast
+        first = group_ranks(across_nodes)[0]  # the group's first rank, as a global rank
     """
+    if group is not None and not registered(group):
+        return list(range(group.size()))
     if not (dist.is_available() and dist.is_initialized()):
         return [0]
     return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def registered(group: dist.ProcessGroup) -> bool:
+    """True for a group of this process's world (``new_group``, a device mesh's), False for a standalone one.
+
+    Example::
+
+        assert not registered(epoch.group)
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def standalone_group(
+    store: dist.Store, rank: int, size: int, device: torch.device, timeout: float
+) -> dist.ProcessGroup:
+    """A process group of ``size`` processes that need not share a world (sites that are jobs of their own): each
+    passes its ``rank`` and a store they all reach (a ``PrefixStore`` per group). Gloo for CPU tensors, and NCCL
+    for CUDA ones when ``device`` is a GPU; every collective fails after ``timeout`` seconds. Blocks until all
+    ``size`` processes arrived (or ``timeout``). torchft reconfigures its process groups the same way.
+
+    Example::
+
+        group = standalone_group(dist.PrefixStore("epoch/3", store), rank, size, fabric.device, timeout=30.0)
+        dist.all_reduce(tensor, group=group)
+    """
+    limit = timedelta(seconds=timeout)
+    group = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroup.BackendType.GLOO
+    group._register_backend(torch.device("cpu"), gloo, dist.ProcessGroupGloo(store, rank, size, limit))
+    if device.type == "cuda":
+        nccl = dist.ProcessGroup.BackendType.NCCL
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = limit
+        group._register_backend(device, nccl, dist.ProcessGroupNCCL(store, rank, size, options))
+        group._set_default_backend(nccl)
+    else:
+        group._set_default_backend(gloo)
+    return group
 
 
 def check_member(group: ProcessGroup, caller: str) -> None:
@@ -85,8 +163,8 @@ def check_member(group: ProcessGroup, caller: str) -> None:
 
         check_member(process_group, "Averager")
     """
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return
+    if group is None or not registered(group):
+        return  # a standalone group holds every process that made it
     if dist.get_rank() not in dist.get_process_group_ranks(group):
         raise ValueError(
             f"{caller}: `process_group` does not contain this rank ({dist.get_rank()}); its ranks are"
@@ -257,11 +335,10 @@ def broadcast_differences(
         if high != low:
             start, end = spans.get(b, (offset, offset + numel))
             spans[b] = (min(start, offset), max(end, offset + numel))
-    source = group_ranks(group)[0]
     sent = Traffic()
     for b, (start, end) in sorted(spans.items()):
         span = flats[b][start:end]
-        dist.broadcast(span, src=source, group=group)
+        dist.broadcast(span, group=group, group_src=0)
         sent += Traffic(span.numel(), span.numel() * span.element_size())
     return sent
 
@@ -294,10 +371,11 @@ def relay_bytes(
     payload: bytes | None,
     device: torch.device,
     progress: Callable[[int, int, float], None] | None = None,
+    group: ProcessGroup = None,
 ) -> tuple[bytes | None, int]:
-    """Pass ``payload`` along ``plan``, pairs of global ranks ``(sender, receiver)`` in order: a receiver
-    may send on what it received. Point to point: per pair, one message of the size and one per
-    ``CHUNK_BYTES``; ranks in no pair issue nothing. ``progress(bytes_done, bytes_total, seconds)`` is
+    """Pass ``payload`` along ``plan``, pairs of ranks of ``group`` (global ranks when None) ``(sender, receiver)``
+    in order: a receiver may send on what it received. Point to point: per pair, one message of the size and one
+    per ``CHUNK_BYTES``; ranks in no pair issue nothing. ``progress(bytes_done, bytes_total, seconds)`` is
     called on both ends every ``PROGRESS_EVERY_S`` seconds and at the end. Returns the bytes this rank
     holds at the end (its ``payload`` when it received none) and their size when it took part, else 0.
 
@@ -305,21 +383,28 @@ def relay_bytes(
 
         data, size = relay_bytes([(0, 2), (2, 3)], payload if rank == 0 else None, fabric.device)
     """
-    rank = dist.get_rank()
+    rank = group_rank(group)
+
+    def send(tensor: torch.Tensor, peer: int) -> None:
+        dist.send(tensor, group=group, group_dst=peer)
+
+    def recv(tensor: torch.Tensor, peer: int) -> None:
+        dist.recv(tensor, group=group, group_src=peer)
+
     data = payload
     for sender, receiver in plan:
         if rank == receiver:
             size = torch.zeros(1, dtype=torch.int64, device=device)
-            dist.recv(size, src=sender)
+            recv(size, sender)
             buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
-            _chunks(buffer, dist.recv, sender, progress)
+            _chunks(buffer, recv, sender, progress)
             data = buffer.cpu().numpy().tobytes()
         elif rank == sender:
             if data is None:
                 raise ValueError(f"relay_bytes: rank {rank} sends to {receiver} in `plan` but has no `payload`.")
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-            dist.send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), dst=receiver)
-            _chunks(buffer, dist.send, receiver, progress)
+            send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), receiver)
+            _chunks(buffer, send, receiver, progress)
     return data, len(data) if data is not None and any(rank in pair for pair in plan) else 0
 
 
@@ -329,7 +414,7 @@ def _chunks(
     peer: int,
     progress: Callable[[int, int, float], None] | None,
 ) -> None:
-    """``move`` (``dist.send`` or ``dist.recv``) ``buffer`` to or from ``peer`` in messages of ``CHUNK_BYTES``."""
+    """``move`` (a send or a receive) ``buffer`` to or from ``peer`` in messages of ``CHUNK_BYTES``."""
     start = reported = time.perf_counter()
     total = buffer.numel()
     for offset in range(0, total, CHUNK_BYTES):

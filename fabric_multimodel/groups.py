@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.collectives import ProcessGroup
+from fabric_multimodel.collectives import ProcessGroup, new_group
 
 
 class NodeGroups(NamedTuple):
@@ -75,11 +75,11 @@ def node_groups(fabric: Any, num_nodes: int | None = None) -> NodeGroups:
     node_group = across_group = None
     # Every rank must create every group, in the same order, even the groups it is not in.
     for node in sorted(by_node):
-        group = dist.new_group(by_node[node])
+        group = new_group(by_node[node])
         if node == node_rank:
             node_group = group
     for local in sorted(by_local):
-        group = dist.new_group(by_local[local])
+        group = new_group(by_local[local])
         if local == local_rank:
             across_group = group
     return NodeGroups(node_group, across_group, node_rank, local_rank, nodes, per_node)

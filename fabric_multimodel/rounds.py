@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_ranks, group_size
+from fabric_multimodel.collectives import ProcessGroup, Traffic, group_rank, group_ranks, group_size, wait_all
 from fabric_multimodel.flat import FlatStorage, Part
 from fabric_multimodel.quantized import CODE_DTYPES, QuantizedMean
 
@@ -685,7 +685,7 @@ class _Sum:
 
     def __init__(self, payload: list[torch.Tensor], group: ProcessGroup, world: int) -> None:
         self.payload, self.group, self.world = payload, group, world
-        self._work: list[Any] = []
+        self._work: list[dist.Work | None] = []
 
     @property
     def traffic(self) -> Traffic:
@@ -704,8 +704,7 @@ class _Sum:
 
     def finish(self) -> None:
         work, self._work = self._work, []
-        for w in work:
-            w.wait()
+        wait_all(work)
 
 
 class _Quantized:
@@ -773,9 +772,9 @@ class _NodeSlices:
 
     def finish(self) -> None:
         self.inner.finish()
+        # All launched before the first wait, so the slices cross at once.
         work = [dist.broadcast(piece, src=owner, group=self.node_group, async_op=True) for piece, owner in self._slices]
-        for w in work:
-            w.wait()
+        wait_all(work)
 
 
 def _bounds(numel: int, count: int, index: int) -> tuple[int, int]:

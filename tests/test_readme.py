@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from importlib import metadata
 from pathlib import Path
 
 import fabric_multimodel
@@ -24,3 +25,34 @@ def test_the_api_table_names_every_public_name():
     named = set(re.findall(r"\w+", table))
     missing = [name for name in fabric_multimodel.__all__ if name not in named]
     assert not missing, f"public names missing from the README's API table: {missing}"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = [int(p) for p in version.split(".")]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def test_ci_pins_every_lower_bound_it_installs():
+    """.ci/oldest.txt, which CI installs, pins exactly the lower bounds of the package and its test extra."""
+    bounds = {}
+    for requirement in metadata.requires("fabric-multimodel") or []:
+        spec, _, marker = requirement.partition(";")
+        if marker and 'extra == "test"' not in marker:
+            continue
+        name, _, version = spec.strip().partition(">=")
+        assert version, f"{requirement!r}: give it a lower bound (>=), which .ci/oldest.txt then pins"
+        bounds[name.strip().lower()] = _release(version.strip())
+    pins = {}
+    for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[name.strip().lower()] = _release(version.strip())
+    assert pins == bounds
+    assert "torch" in pins and "lightning" in pins
+
+
+def test_the_readme_names_the_versions_ci_tests():
+    pins = dict(line.split("==") for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines() if "==" in line)
+    assert f"torch {pins['torch']}" in README and f"Lightning {pins['lightning']}" in README
