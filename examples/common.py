@@ -16,6 +16,7 @@ import statistics
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +44,7 @@ from fabric_multimodel.collectives import extremes
 from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
+from fabric_multimodel.membership import Membership, site_of
 from fabric_multimodel.sharded_checkpoints import (
     METADATA,
     ResumedSharded,
@@ -155,6 +157,14 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
     g.add_argument(
         "--fragments", type=int, default=1, help="streaming: each round sends one of F fragments, every period/F steps"
     )
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="live membership: this process is a site of its own that joins the run through this coordinator"
+        " (python -m fabric_multimodel.coordinator); sites may leave and join while the others train on",
+    )
+    g.add_argument("--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name")
+    g.add_argument("--min-sites", type=int, default=1, help="with --coordinator: sites the run starts with")
     g.add_argument(
         "--mixing",
         type=_mixing,
@@ -286,6 +296,17 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         # Streaming rounds merge best by mixing half the local replica back in: 2.2-2.3% lower validation loss
         # than global + local progress on the LM, on both of two seeds (benchmarks/README.md).
         args.mixing = 0.5
+    if args.coordinator and (
+        not args.period or args.pace != "steps" or args.period == "auto" or args.node_period or args.error_feedback
+    ):
+        p.error(
+            "--coordinator needs --period N, and takes no --pace speed, --period auto, --node-period or"
+            " --error-feedback yet"
+        )
+    if args.coordinator and math.prod(world_shape(args)) > 1:
+        p.error("--coordinator: a site of one process for now (--devices 1); start one such process per site")
+    if args.coordinator and (not args.site or "#" in args.site):
+        p.error(f"--coordinator needs --site NAME (no '#'), got {args.site!r}")
     if args.resume is None and restart_count():
         args.resume = AUTO  # torchrun's agent restarted this node's workers: go on from the run folder
     sharded = args.shard == "node"  # its checkpoints are folders, one per site
@@ -429,6 +450,37 @@ def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Se
     return {**options, **placement.averager}
 
 
+def join_options(fabric: Fabric, args: argparse.Namespace) -> dict[str, Any]:
+    """With ``--coordinator``: the Averager's ``membership``, this site's (its collectives fail after ``--timeout``)."""
+    if not args.coordinator:
+        return {}
+    membership = Membership(
+        args.coordinator, args.site, device=fabric.device, min_sites=args.min_sites, timeout=args.timeout
+    )
+    return {"membership": membership}
+
+
+def data_rank(fabric: Fabric, args: argparse.Namespace) -> int:
+    """What orders this process's training data: its global rank, or with ``--coordinator`` (every site a world
+    of its own, each rank 0) its site's name."""
+    return zlib.crc32(args.site.encode()) if args.coordinator else fabric.global_rank
+
+
+def report_membership(fabric: Fabric, averager: Averager | None, seen: int) -> int:
+    """Print ``membership: epoch=E sites=... left=... joined=... waited_s=...`` when this site entered an epoch after
+    the one numbered ``seen``; returns the number of the epoch it is in (0 without a membership)."""
+    epoch = averager.membership.epoch if averager is not None and averager.membership is not None else None
+    if epoch is None or epoch.number == seen:
+        return seen
+    assert averager is not None
+    left, joined = (",".join(map(site_of, tokens)) or "-" for tokens in (epoch.left, epoch.joined))
+    fabric.print(
+        f"membership: epoch={epoch.number} sites={','.join(epoch.sites)} left={left} joined={joined}"
+        f" waited_s={averager.membership_wait_s:.2f}"
+    )
+    return epoch.number
+
+
 def averaging_line(args: argparse.Namespace, averager: Averager) -> str:
     """An averaging run's first line: what the Averager does and in which layout (and why, when --layout was not
     given)."""
@@ -537,6 +589,7 @@ def final_line(
     comm_bytes: int,
     rounds: int,
     state_bytes: int | None = None,
+    membership_wait_s: float | None = None,
 ) -> str:
     """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
     the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``); ``state_bytes`` (see
@@ -549,6 +602,11 @@ def final_line(
         f" iter_ms_median={iter_ms:.2f} iter_ms_mean={iter_ms_mean:.2f}"
         f" comm_bytes={comm_bytes} comm_bytes_per_iter={comm_bytes / steps:.1f} rounds={rounds}"
         + (f" state_bytes={state_bytes}" if state_bytes is not None else "")
+        + (
+            f" membership_wait_s={membership_wait_s:.2f} process_start={_process_created() or math.nan:.1f}"
+            if membership_wait_s is not None
+            else ""
+        )
     )
 
 

@@ -55,11 +55,14 @@ from common import (
     check_arguments,
     clock,
     comm_line,
+    data_rank,
     final_line,
+    join_options,
     layout,
     main,
     mode_name,
     paced,
+    report_membership,
     resume,
     run_config,
     run_folder,
@@ -219,7 +222,7 @@ def train(args: argparse.Namespace) -> int | None:
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [opt_g, opt_d])
     phases.mark("models")
-    averager = Averager(fabric, [gen, disc], **options) if options else None
+    averager = Averager(fabric, [gen, disc], **options, **join_options(fabric, args)) if options else None
     phases.mark("averager")
     if averager is not None:
         fabric.print(averaging_line(args, averager))
@@ -229,6 +232,7 @@ def train(args: argparse.Namespace) -> int | None:
     }  # fmt: skip
     if averager is not None:
         state["averager"] = averager
+        state["step"] = averager.steps  # a site that joins a running run starts at the others' step
     if args.resume is not None:
         resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
@@ -242,7 +246,7 @@ def train(args: argparse.Namespace) -> int | None:
         return checkpointer.save(state)
 
     # Different data on every rank (and after a resume); the same weights everywhere (seeded in build).
-    data_gen = torch.Generator().manual_seed(hash((args.seed, fabric.global_rank, state["step"])))
+    data_gen = torch.Generator().manual_seed(hash((args.seed, data_rank(fabric, args), state["step"])))
     ones = torch.ones(args.batch_size, 1, device=fabric.device)
     progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero)
     iter_seconds: list[float] = []
@@ -253,6 +257,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None and state["step"] >= args.warmup_steps:  # resumed past warm-up: the pace is known
         warmup_ended(fabric, averager, args, total, progress)
     step = now = state["step"]  # now: the clock of stops and checkpoints
+    epoch_seen = report_membership(fabric, averager, 0)
     with averager or nullcontext():
         while step < args.steps:
             step += 1
@@ -278,6 +283,7 @@ def train(args: argparse.Namespace) -> int | None:
             opt_g.zero_grad()
             if averager is not None:
                 averager.step()
+                epoch_seen = report_membership(fabric, averager, epoch_seen)
                 if step == args.warmup_steps:
                     warmup_ended(fabric, averager, args, total, progress)
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
@@ -341,6 +347,7 @@ def train(args: argparse.Namespace) -> int | None:
             comm_bytes=comm,
             rounds=rounds,
             state_bytes=memory,
+            membership_wait_s=averager.membership_wait_s if averager and averager.membership else None,
         ),
         flush=True,
     )

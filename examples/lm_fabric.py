@@ -69,13 +69,16 @@ from common import (
     check_arguments,
     clock,
     comm_line,
+    data_rank,
     fail,
     final_line,
+    join_options,
     layout,
     link_line,
     main,
     mode_name,
     paced,
+    report_membership,
     resume,
     run_config,
     run_folder,
@@ -409,7 +412,7 @@ def train(args: argparse.Namespace) -> int | None:
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [optimizer])
     phases.mark("models")
-    averager = Averager(fabric, model, **options) if options else None
+    averager = Averager(fabric, model, **options, **join_options(fabric, args)) if options else None
     phases.mark("averager")
     if averager is not None:
         fabric.print(averaging_line(args, averager))
@@ -428,13 +431,14 @@ def train(args: argparse.Namespace) -> int | None:
     }  # fmt: skip
     if averager is not None:
         state["averager"] = averager
+        state["step"] = averager.steps  # a site that joins a running run starts at the others' step
     if args.resume is not None:
         resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
     stop = StopSignal(fabric)
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
-    stream = Stream(corpus.train, args.context, args.seed, fabric.global_rank)
+    stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args))
     stream.position = state["data_position"]
     eval_batches = [b.to(fabric.device) for b in validation_batches(corpus.val, args.eval_batches, args.context)]
 
@@ -465,6 +469,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None and state["step"] >= args.warmup_steps:  # resumed past warm-up: the pace is known
         warmup_ended(fabric, averager, args, total, progress)
     step = now = state["step"]  # now: the clock of stops and checkpoints
+    epoch_seen = report_membership(fabric, averager, 0)
     with averager or nullcontext():
         while step < args.steps:
             step += 1
@@ -482,6 +487,7 @@ def train(args: argparse.Namespace) -> int | None:
             optimizer.zero_grad()
             if averager is not None:
                 averager.step()
+                epoch_seen = report_membership(fabric, averager, epoch_seen)
                 if step == args.warmup_steps:
                     warmup_ended(fabric, averager, args, total, progress)
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
@@ -555,6 +561,7 @@ def train(args: argparse.Namespace) -> int | None:
             comm_bytes=comm,
             rounds=rounds,
             state_bytes=memory,
+            membership_wait_s=averager.membership_wait_s if averager and averager.membership else None,
         ),  # fmt: skip
         flush=True,
     )

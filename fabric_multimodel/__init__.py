@@ -22,9 +22,10 @@ if TYPE_CHECKING:
     from fabric_multimodel.config import AveragerConfig
     from fabric_multimodel.frozen import frozen
     from fabric_multimodel.groups import NodeGroups, node_groups
+    from fabric_multimodel.membership import Epoch, Membership
     from fabric_multimodel.models import Models, ddp_of, setup_models
     from fabric_multimodel.replicas import SyncReport, average_models, replicas_in_sync
-    from fabric_multimodel.rounds import AveragingError, NonFiniteError
+    from fabric_multimodel.rounds import AveragingError, NonFiniteError, PeerError
 
 # Each public name and its module, imported on first use: the sites tool (`python -m fabric_multimodel.sites`)
 # needs only the standard library, and must not wait seconds for torch.
@@ -36,6 +37,8 @@ _HOMES = {
     "frozen": "frozen",
     "NodeGroups": "groups",
     "node_groups": "groups",
+    "Epoch": "membership",
+    "Membership": "membership",
     "Models": "models",
     "ddp_of": "models",
     "setup_models": "models",
@@ -44,14 +47,18 @@ _HOMES = {
     "replicas_in_sync": "replicas",
     "AveragingError": "rounds",
     "NonFiniteError": "rounds",
+    "PeerError": "rounds",
 }
 __all__ = [
     "Averager",
     "AveragerConfig",
     "AveragingError",
+    "Epoch",
+    "Membership",
     "Models",
     "NodeGroups",
     "NonFiniteError",
+    "PeerError",
     "Replica",
     "SyncReport",
     "Traffic",

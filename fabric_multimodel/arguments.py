@@ -103,6 +103,28 @@ def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:
         )
 
 
+def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_group: ProcessGroup) -> None:
+    """What a :class:`~fabric_multimodel.membership.Membership` cannot take yet, refused before it registers."""
+    refused = {
+        "process_group": process_group is not None,
+        "node_group (two-level averaging)": node_group is not None or config.node_period is not None,
+        "period='auto'": config.period == "auto",
+        "pace='speed'": config.pace == "speed",
+        "error_feedback": config.error_feedback,
+    }
+    for option, given in refused.items():
+        if given:
+            raise ValueError(
+                f"Averager: `membership` does not take {option} yet (each round runs on the group of the site's"
+                " epoch, which the membership makes); leave it out, or leave out `membership`."
+            )
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "Averager: `membership` takes sites of one process for now (this site's world has"
+            f" {dist.get_world_size()}); start each site with one process, or average with process_group instead."
+        )
+
+
 def islands_layout(ddps: Sequence[DistributedDataParallel], group: ProcessGroup, node_period: int | None) -> bool:
     """Whether the modules' DDPs synchronise orthogonally to the averaging group (islands) or over it (flat).
 

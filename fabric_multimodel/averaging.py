@@ -7,6 +7,7 @@ things happen :mod:`fabric_multimodel.schedule`'s, what a round does :mod:`fabri
 
 from __future__ import annotations
 
+import io
 import statistics
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from fabric_multimodel.arguments import as_module_list, check_optimizers, check_placement
+from fabric_multimodel.arguments import as_module_list, check_membership, check_optimizers, check_placement
 from fabric_multimodel.auto_period import (
     PeriodChoice,
     agree,
@@ -36,13 +37,15 @@ from fabric_multimodel.collectives import (
     group_rank,
     group_ranks,
     group_size,
+    relay_bytes,
 )
 from fabric_multimodel.config import AveragerConfig
+from fabric_multimodel.membership import Epoch, Membership, catch_up
 from fabric_multimodel.models import Models
 from fabric_multimodel.optimizer_state import OptimizerStateStorage
 from fabric_multimodel.pacing import Pace, gather_step_times, paced, paced_steps
 from fabric_multimodel.replicas import HasDevice, Modules
-from fabric_multimodel.rounds import AveragingError, Header, Stamp
+from fabric_multimodel.rounds import AveragingError, Header, PeerError, Stamp
 from fabric_multimodel.schedule import Event, Schedule
 
 if TYPE_CHECKING:
@@ -206,6 +209,7 @@ class Averager:
         optimizers: Sequence[Optimizer] = (),
         process_group: ProcessGroup = None,
         node_group: ProcessGroup = None,
+        membership: Membership | None = None,
         **options: Any,
     ) -> None:
         #: What this averager does: the ``config`` passed, with the keyword ``options`` replaced.
@@ -213,7 +217,20 @@ class Averager:
         module_list = as_module_list(modules, "Averager")
         self.optimizers = check_optimizers(optimizers, "Averager")
         self._optimizer_state = OptimizerStateStorage(self.optimizers)  # what blocking rounds average with the models
-        placement = check_placement(module_list, self.optimizers, process_group, node_group, config)
+        #: With a :class:`~fabric_multimodel.membership.Membership`: the sites of the run come and go, and each round
+        #: runs on the group of the epoch this site is in (``process_group`` is that group).
+        self.membership = membership
+        #: Seconds this process spent on membership changes after its first epoch: agreements, groups, the state sent
+        #: to a site that joined or received from a member (its own admission is part of its start, not counted).
+        self.membership_wait_s = 0.0
+        epoch = None
+        if membership is not None:  # every check before this site registers, so a mistake costs the others nothing
+            check_membership(config, process_group, node_group)
+            placement = check_placement(module_list, self.optimizers, None, None, config)
+            epoch = membership.join()
+            process_group = epoch.group
+        else:
+            placement = check_placement(module_list, self.optimizers, process_group, node_group, config)
         #: True when the modules are FSDP2 shards (``fully_shard`` inside each site): a round averages this
         #: rank's shard with the same shard of the other sites, and the sites' own reduce-scatters go on every step.
         self.sharded = placement.sharded
@@ -223,7 +240,10 @@ class Averager:
         self.average_buffers, self.node_period = config.average_buffers, config.node_period
         self.process_group, self.node_group = process_group, node_group
         names = list(modules._fields) if isinstance(modules, Models) else None
-        built = build_rounds(config, module_list, placement, self.optimizers, process_group, node_group, names)
+        live_sites = membership.max_sites if membership is not None else None
+        built = build_rounds(
+            config, module_list, placement, self.optimizers, process_group, node_group, names, live_sites
+        )
         self._round, self._node_round, self._has_buffers = built.round, built.node_round, built.has_buffers
         #: The number of fragments; a round covers one.
         self.fragments = built.fragments
@@ -243,11 +263,19 @@ class Averager:
         self._ddps = [] if self.islands else list(placement.ddps)  # the DDPs switched off after warm-up
         self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
         self._reset_counters()
-        self._check_agreement(built.agreement)
+        self._agreement = built.agreement
+        # The replicas train apart in warm-up (the islands' nodes, a membership's sites): the first round of each
+        # part after it is a plain mean that sets its anchor.
+        self._apart = self.islands or membership is not None
         #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
-        self.start_traffic = self._start_islands()
+        self.start_traffic = Traffic()
         # Islands: the node's processes hold one replica between them; the first one writes it.
         self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in placement.ddps)
+        if epoch is not None:
+            self._enter(epoch)
+        else:
+            self._check_agreement(built.agreement)
+            self.start_traffic = self._start_islands()
 
     def _set_period(self, period: int) -> None:
         #: Local steps between rounds (with ``period="auto"``: the smallest allowed until the end of warm-up).
@@ -479,9 +507,17 @@ class Averager:
         events = self.schedule.at(self.steps)
         if events:
             with self._round.storage.synced():
-                for event in events:
-                    started |= self._actions[event.kind](event)
-        if self.steps <= self.warmup_steps and not self.islands and not self._has_buffers:
+                try:
+                    for event in events:
+                        started |= self._actions[event.kind](event)
+                except PeerError:
+                    if self.membership is None:
+                        raise
+                    self._recover()  # the round in flight is dropped: its progress rides in the next one
+                else:
+                    if self.membership is not None and self.finished_at == self.steps and not self.pending:
+                        self._at_boundary()
+        if self.steps <= self.warmup_steps and not self._apart and not self._has_buffers:
             # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
             # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
             self._synced_at = [self.steps] * self.fragments
@@ -498,8 +534,15 @@ class Averager:
             fabric.save("ckpt.pt", {"gen": gen, "opt_g": opt_g, "averager": averager})
         """
         with self._round.storage.synced():
-            self._finish_pending()
-            self._round_everything()
+            while True:
+                try:
+                    self._finish_pending()
+                    self._round_everything()
+                    return
+                except PeerError:
+                    if self.membership is None:
+                        raise
+                    self._recover()  # and the sync again, among those who are left
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -670,7 +713,7 @@ class Averager:
         if self.config.pace == "speed" and self.pace is None:
             self._set_pace(paced(self._fastest_period, self._site_step_times()))
         self._apply_phase()
-        if self.islands:  # the nodes trained apart: their first rounds are plain means, and set the anchors
+        if self._apart:  # the nodes or sites trained apart: their first rounds are plain means, and set the anchors
             self._round.release_anchors()
         else:  # synchronous DDP moved every replica alike: anchor them where they are
             self._round.anchor_parameters()
@@ -688,7 +731,7 @@ class Averager:
         if self.fragments > 1:
             label += f" (fragment {fragment + 1} of {self.fragments})"
         warming_up = self.steps < self.warmup_steps
-        if warming_up and not self.islands:
+        if warming_up and not self._apart:
             # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
             self._round.anchor_parameters(self._round.parts[fragment])
         count = self.rounds if self.pace is not None else self.steps  # paced sites differ in steps, not rounds
@@ -750,7 +793,7 @@ class Averager:
     def _check_stamps(self, stamps: list[Stamp], label: str, group: ProcessGroup | None = None) -> None:
         group = group if group is not None else self.process_group
         ranks = group_ranks(group)
-        mine = stamps[_position(group)]
+        mine = stamps[group_rank(group)]
         for rank, stamp in zip(ranks, stamps):
             if stamp.steps != mine.steps and self.pace is not None and group is self.process_group:
                 raise AveragingError(
@@ -770,6 +813,88 @@ class Averager:
                 f"{label}: the optimizers' state differs across ranks (build the same optimizer types and options,"
                 f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
             )
+
+    # --- membership ------------------------------------------------------------------------------
+
+    def _at_boundary(self) -> None:
+        """A round finished and none is in flight: admit the sites that are waiting, if any (one store call)."""
+        assert self.membership is not None
+        start = time.perf_counter()
+        epoch = self.membership.at_boundary(self.rounds)
+        if epoch is not None:
+            self._enter(epoch)
+        self.membership_wait_s += time.perf_counter() - start
+
+    def _recover(self) -> None:
+        """A round failed on a peer: drop it, agree on the survivors, and go on among them (no step lost)."""
+        assert self.membership is not None
+        start = time.perf_counter()
+        self._launched_at = None
+        self._round.abandon()
+        self._enter(self.membership.recover())
+        self.membership_wait_s += time.perf_counter() - start
+
+    def _enter(self, epoch: Epoch) -> None:
+        """Enter ``epoch``, and the next one while a member is lost as it begins."""
+        assert self.membership is not None
+        while True:
+            try:
+                self._enter_epoch(epoch)
+                return
+            except PeerError:
+                epoch = self.membership.recover()
+
+    def _enter_epoch(self, epoch: Epoch) -> None:
+        """Run the next rounds over ``epoch``'s group: check that its members built the same Averager, and bring
+        those behind (a site that joins, a survivor that missed the last round) to the newest state, received from
+        the first member that holds it, point to point. A run's start (every member at step 0) sends instead the
+        first member's values where they differ."""
+        assert epoch.group is not None and self.membership is not None
+        self.process_group = epoch.group
+        self._round.regroup(epoch.group, self.membership.failing)
+        with self._round.storage.synced():
+            try:
+                try:
+                    self._check_agreement(self._agreement)
+                except ValueError as error:
+                    if self.membership.token not in epoch.joined:  # a new site built another Averager: without it
+                        raise PeerError(f"Averager: a site new in epoch {epoch.number} differs: {error}") from error
+                    raise
+                progress = [self.steps, -1 if self.finished_at is None else self.finished_at]
+                source, behind = catch_up(progress, self._device, epoch.group)
+                if source is None:
+                    if self.steps == 0:
+                        self.start_traffic += self._start_members()
+                    return
+                state = self._state_from(source, behind, epoch.group)
+            except RuntimeError as error:  # a member was lost while the epoch began
+                raise PeerError(f"Averager: epoch {epoch.number} could not begin: {error}") from error
+        if state is not None:
+            traffic = self.traffic
+            self.load_state_dict(state)
+            self.traffic = traffic  # what this process sent; the state's counters are the sender's
+
+    def _start_members(self) -> Traffic:
+        """Every member at step 0: start from the first member's values where they differ (sites built from one
+        seed send a checksum only), and anchor there."""
+        storage = self._round.storage
+        sent = broadcast_differences(storage.buffers, storage.slots, self._device, self.process_group)
+        self._round.anchor_parameters()
+        return sent
+
+    def _state_from(self, source: int, behind: list[int], group: dist.ProcessGroup) -> dict[str, Any] | None:
+        """This Averager's state as rank ``source`` of ``group`` holds it, on the ranks ``behind``; None elsewhere."""
+        mine = group_rank(group)
+        payload = None
+        if mine == source:
+            buffer = io.BytesIO()
+            torch.save(self.state_dict(), buffer)
+            payload = buffer.getvalue()
+        data, _ = relay_bytes([(source, rank) for rank in behind], payload, self._device, group=group)
+        if mine not in behind or data is None:
+            return None
+        state: dict[str, Any] = torch.load(io.BytesIO(data), map_location=self._device, weights_only=False)
+        return state
 
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
@@ -872,10 +997,6 @@ def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
                 f"Averager.load_state_dict: `{name}` must hold whole numbers in 0..{limit}, got {value!r}."
             )
     return list(values)
-
-
-def _position(group: ProcessGroup) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def _unwrap_steps(digits: int, near: int) -> int:

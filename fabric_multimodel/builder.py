@@ -62,8 +62,12 @@ def build_rounds(
     process_group: ProcessGroup = None,
     node_group: ProcessGroup = None,
     model_names: Sequence[str] | None = None,
+    live_sites: int | None = None,
 ) -> Built:
-    """The storage and the rounds for ``modules`` under ``config``; a clear error for fragments that do not fit."""
+    """The storage and the rounds for ``modules`` under ``config``; a clear error for fragments that do not fit.
+    ``live_sites``: with a membership, the most sites an epoch may have: the rounds keep room for their headers,
+    and never send from the parameters' own storage (a round that fails half-way then leaves them as they were).
+    """
     tensors, names, n_params = averaged_tensors(modules, config.average_buffers, model_names)
     groups = fragment_indices(tensors[:n_params], names[:n_params], config.fragments)
     # period="auto" is chosen at the end of warm-up; until then the smallest one the fragments and overlap allow.
@@ -76,7 +80,7 @@ def build_rounds(
     whole = [tensors[i] for i in placed] + tensors[n_params:]
     tensors = [local_part(t) for t in whole]
     names = [names[i] for i in placed] + names[n_params:]
-    largest = max(group_size(process_group), group_size(node_group) if config.node_period else 1)
+    largest = max(group_size(process_group), group_size(node_group) if config.node_period else 1, live_sites or 1)
     # FSDP2 owns its shards' storage (its all-gathers read it): rounds work on a copy that exists only while they run.
     # The shards' parameters come along, so that the rounds' state (anchors) can be saved placed like them.
     shards = whole if placement.sharded else None
@@ -89,7 +93,7 @@ def build_rounds(
     node_round = None
     if config.node_period:
         node_round = MeanRound(storage, node_group, overlap=False, check_finite=config.check_finite)
-    averaging_round = _round(config, storage, n_params, process_group, parts, order, node)
+    averaging_round = _round(config, storage, n_params, process_group, parts, order, node, live_sites is not None)
     storage.release()  # a copy of FSDP2's shards is needed only while rounds run
     layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in zip(names, tensors)]
     settings = (config.agreement(), len(optimizers), placement.islands, ends)
@@ -111,14 +115,23 @@ def _round(
     parts: list[Part] | None,
     order: list[int],
     node: ProcessGroup,
+    own_buffers: bool,
 ) -> Round:
     """The kind of round the options ask for."""
     overlap, check_finite, mixing = config.overlap_steps != 0, config.check_finite, config.mixing
     if config.outer_optimizer is None and config.comm_dtype is None:
         return MeanRound(
-            storage, group, parts=parts, overlap=overlap, check_finite=check_finite, mixing=mixing, node_group=node
+            storage,
+            group,
+            parts=parts,
+            overlap=overlap,
+            check_finite=check_finite,
+            mixing=mixing,
+            node_group=node,
+            own_buffers=own_buffers,
         )
     anchored: dict[str, Any] = {"parts": parts, "comm_dtype": config.comm_dtype, "mixing": mixing, "node_group": node}
+    anchored["own_buffers"] = own_buffers
     anchored["error_feedback"] = config.error_feedback
     if config.outer_optimizer is None:
         return DeltaRound(storage, n_params, group, overlap=overlap, check_finite=check_finite, **anchored)

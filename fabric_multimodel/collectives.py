@@ -53,17 +53,32 @@ def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     return group if isinstance(group, dist.ProcessGroup) else None
 
 
-def wait_all(work: Iterable[dist.Work | None]) -> None:
+def wait_all(work: Iterable[dist.Work | None], abandon: Callable[[], bool] | None = None) -> None:
     """Wait for each of ``work``: what collectives called with ``async_op=True`` return (None on a rank with
-    nothing to wait for, in some versions' types).
+    nothing to wait for, in some versions' types). ``abandon``, asked every ``POLL_S`` while one is unfinished, ends
+    the wait with a RuntimeError when it says True: a peer has left the group, so the collective can only time out
+    (gloo's waits cannot be interrupted, and a peer's error does not close its connections).
 
     Example::
 
         wait_all([dist.all_reduce(t, async_op=True) for t in tensors])
     """
     for w in work:
-        if w is not None:
-            w.wait()
+        if w is None:
+            continue
+        asked, pause = time.monotonic(), 1e-4  # short pauses first: most collectives end within milliseconds
+        while abandon is not None and not w.is_completed():
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
+            if time.monotonic() - asked >= POLL_S:
+                if abandon():
+                    raise RuntimeError("the collective was abandoned: a peer of its group has left it")
+                asked = time.monotonic()
+        w.wait()
+
+
+#: Seconds between two looks at whether a wait should be abandoned (:func:`wait_all`).
+POLL_S = 0.05
 
 
 def group_size(group: ProcessGroup = None) -> int:
@@ -385,11 +400,19 @@ def relay_bytes(
     """
     rank = group_rank(group)
 
+    # The group's own point to point by its ranks: torch.distributed's would look for global ranks, which a
+    # standalone group has none of.
     def send(tensor: torch.Tensor, peer: int) -> None:
-        dist.send(tensor, group=group, group_dst=peer)
+        if group is None:
+            dist.send(tensor, dst=peer)
+        else:
+            group.send([tensor], peer, 0).wait()
 
     def recv(tensor: torch.Tensor, peer: int) -> None:
-        dist.recv(tensor, group=group, group_src=peer)
+        if group is None:
+            dist.recv(tensor, src=peer)
+        else:
+            group.recv([tensor], peer, 0).wait()
 
     data = payload
     for sender, receiver in plan:

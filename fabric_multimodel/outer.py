@@ -46,6 +46,7 @@ class OuterRound(DeltaRound):
         mixing: float | None = None,
         error_feedback: bool = False,
         node_group: ProcessGroup = None,
+        own_buffers: bool = False,
     ) -> None:
         super().__init__(
             storage,
@@ -58,6 +59,7 @@ class OuterRound(DeltaRound):
             mixing=mixing,
             error_feedback=error_feedback,
             node_group=node_group,
+            own_buffers=own_buffers,
         )
         #: The parameters' positions in the storage, in the modules' order (the order the factory sees).
         self.order = list(order) if order is not None else list(range(n_params))

@@ -48,6 +48,7 @@ owner, the owner's mean of it is non-finite, and so is that block on every rank 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -60,6 +61,7 @@ from fabric_multimodel.collectives import (
     check_member,
     group_rank,
     group_size,
+    wait_all,
 )
 
 #: The packed 4-bit dtype; None on a torch that predates it (fp8 still works there).
@@ -430,6 +432,8 @@ class QuantizedMean:
         shard_blocks = self._shard_blocks
         self._own_tiles = [(lo, min(lo + capacity, shard_blocks)) for lo in range(0, shard_blocks, capacity)]
         self._phase = _IDLE
+        #: Asked while a wait is unfinished: True ends it with an error (see collectives.wait_all).
+        self.abandon: Callable[[], bool] | None = None
         self._handle: Any = None
         self._payload: torch.Tensor | None = None
         self._exact_out: torch.Tensor | None = None
@@ -511,8 +515,7 @@ class QuantizedMean:
         if self._phase != _SENT:
             raise RuntimeError("QuantizedMean.exchange: no round was started; call start(payload, exact) first.")
         handle, self._handle, self._phase = self._handle, None, _IDLE
-        if handle is not None:
-            handle.wait()
+        wait_all([handle], self.abandon)
         codec, layout, block = self._codec, self._layout, self.block_size
         codes, scales = layout.codes(self._received), layout.scales(self._received)
         mean_codes, mean_scales = layout.codes(self._mean), layout.scales(self._mean)
@@ -536,8 +539,7 @@ class QuantizedMean:
         if self._phase != _GATHERING:
             raise RuntimeError("QuantizedMean.finish: no round in flight; call start(payload, exact) first.")
         handle, self._handle, self._phase = self._handle, None, _IDLE
-        if handle is not None:
-            handle.wait()
+        wait_all([handle], self.abandon)
         flat, layout = self._payload, self._layout
         assert flat is not None
         codes, scales = layout.codes(self._gathered), layout.scales(self._gathered)

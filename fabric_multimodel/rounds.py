@@ -21,7 +21,7 @@ NaN reaches all) is an error on every rank too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -42,6 +42,18 @@ class AveragingError(RuntimeError):
         except AveragingError as error:
             fabric.print(f"stopping: {error}")
             raise
+    """
+
+
+class PeerError(AveragingError):
+    """A round failed because a peer exited, or did not answer within the group's timeout.
+
+    Example::
+
+        try:
+            averager.step()
+        except PeerError:
+            ...  # without a Membership, the run cannot go on with this group
     """
 
 
@@ -127,6 +139,9 @@ def _number(digits: Sequence[int]) -> int:
 class Round:
     """The machinery every kind shares: payload buffers, header, launch, wait, checks.
 
+    ``own_buffers`` (the kinds' keyword): send from buffers of the round's own, never from the parameters' storage,
+    so that a round that fails half-way leaves the parameters as they were (a membership's rounds).
+
     A round covers one :class:`~fabric_multimodel.flat.Part` of the flat storage at a time: the
     whole of it, or one fragment (``parts``; the send buffers are sized for the largest). Subclasses
     decide what the payload holds (:meth:`_fill`) and what the summed payload does to the replicas
@@ -146,17 +161,10 @@ class Round:
         mixing: float | None = None,
         node_group: ProcessGroup = None,
     ) -> None:
-        self.group = group
         #: Overlapped merges: None keeps the local progress, ``global + (param - snapshot)``; a float ``a``
         #: mixes, ``(1 - a) * global + a * param`` (Streaming DiLoCo's rule).
         self.mixing = mixing
-        self.world = group_size(group)
-        #: Islands: the processes of this rank's node, which hold the same replica. Each sends its 1/D slice of
-        #: a payload across the nodes, and the node's processes then exchange their slices (over the node's own
-        #: links): the bytes that cross nodes fall by D. 1: the whole payload.
-        self.slices = group_size(node_group) if node_group is not None and self.world > 1 else 1
         self.node_group = node_group
-        self.header = Header(group_rank(group), self.world)
         self.overlap = overlap
         self.check_finite = check_finite
         #: The averaged tensors, living in flat buffers; a round sent in place carries its header in
@@ -165,15 +173,8 @@ class Round:
         #: What one round covers: the whole storage, or each fragment in turn.
         self.parts = list(parts) if parts else [storage.part(range(len(storage.tensors)))]
         self.in_place = in_place and len(self.parts) == 1
-        if self.in_place and storage.spare.numel() < self.header.size:
-            raise ValueError(f"the flat storage needs {self.header.size} spare elements for a round's header.")
-        self.send = self._send_buffers(comm_dtype)
-        # Per part: what its collectives reduce, and where its header is (views made once, not per round).
-        self._layouts = [self._layout(part) for part in self.parts]
-        self.part = self.parts[0]  # the part of the round in flight, or of the last one
-        self._payload, self._head = self._layouts[0]
-        self._transports = [self._transport(part, *layout) for part, layout in zip(self.parts, self._layouts)]
-        self._carrier = self._transports[0]
+        self._comm_dtype = comm_dtype
+        self.regroup(group)
         #: How many phases a round's collectives take (2: a quantized round's all-to-all, then its all-gather).
         self.phases = 1
         #: What this rank's payload is multiplied by before the SUM (``pace="speed"``: its weight times the group
@@ -183,6 +184,36 @@ class Round:
         self._blocking = True
         self._outer = True
         self._label = ""
+
+    def regroup(self, group: ProcessGroup, abandon: Callable[[], bool] | None = None) -> None:
+        """Run the next rounds over ``group`` (a membership's new epoch: another size, other peers). The header,
+        the send buffers and the transports are made for it again; anchors and outer state stay. Allocates one send
+        buffer's worth at most, and issues no collective; no round may be in flight. ``abandon``: see
+        :func:`~fabric_multimodel.collectives.wait_all`.
+
+        Example::
+
+            averaging_round.regroup(epoch.group, membership.failing)
+        """
+        if getattr(self, "_in_flight", False):
+            raise RuntimeError("Round.regroup: a round is in flight; finish or abandon it first.")
+        self._abandon = abandon
+        self.group = group
+        self.world = group_size(group)
+        #: Islands: the processes of this rank's node, which hold the same replica. Each sends its 1/D slice of
+        #: a payload across the nodes, and the node's processes then exchange their slices (over the node's own
+        #: links): the bytes that cross nodes fall by D. 1: the whole payload.
+        self.slices = group_size(self.node_group) if self.node_group is not None and self.world > 1 else 1
+        self.header = Header(group_rank(group), self.world)
+        if self.in_place and self.storage.spare.numel() < self.header.size:
+            raise ValueError(f"the flat storage needs {self.header.size} spare elements for a round's header.")
+        self.send = self._send_buffers(self._comm_dtype)
+        # Per part: what its collectives reduce, and where its header is (views made once, not per round).
+        self._layouts = [self._layout(part) for part in self.parts]
+        self.part = self.parts[0]  # the part of the round in flight, or of the last one
+        self._payload, self._head = self._layouts[0]
+        self._transports = [self._transport(part, *layout) for part, layout in zip(self.parts, self._layouts)]
+        self._carrier = self._transports[0]
 
     # --- payload ---------------------------------------------------------------------------
 
@@ -231,9 +262,10 @@ class Round:
         """What carries a round of ``part`` between the ranks: by default, a SUM allreduce of each payload buffer
         (with node slices: of this rank's slice of each; the header is the tail of the first, in the last slice)."""
         if self.slices == 1:
-            return _Sum(payload, self.group, self.world)
+            return _Sum(payload, self.group, self.world, self._abandon)
         mine = [self._slice(t) for t in payload]
-        return _NodeSlices(_Sum([t for t in mine if t.numel()], self.group, self.world), payload, self.node_group)
+        inner = _Sum([t for t in mine if t.numel()], self.group, self.world, self._abandon)
+        return _NodeSlices(inner, payload, self.node_group)
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t`` among the node's processes."""
@@ -370,11 +402,14 @@ class Round:
                 names.append(self.storage.names[i])
         return names
 
+    def abandon(self) -> None:
+        """Drop the round in flight after its group failed, without waiting on it: the replicas keep their values
+        (an anchored round's anchors too: its fill changed neither)."""
+        self._in_flight = False
+
     def _peer_error(self, error: BaseException) -> AveragingError:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return AveragingError(
-            f"{self._label} failed: a peer exited or is unreachable ({type(error).__name__}: {first})"
-        )
+        return PeerError(f"{self._label} failed: a peer exited or is unreachable ({type(error).__name__}: {first})")
 
     def _fill(self) -> None:
         raise NotImplementedError
@@ -411,6 +446,7 @@ class MeanRound(Round):
         check_finite: bool,
         mixing: float | None = None,
         node_group: ProcessGroup = None,
+        own_buffers: bool = False,
     ) -> None:
         super().__init__(
             storage,
@@ -418,7 +454,7 @@ class MeanRound(Round):
             parts=parts,
             overlap=overlap,
             check_finite=check_finite,
-            in_place=not overlap,
+            in_place=not overlap and not own_buffers,
             mixing=mixing,
             node_group=node_group,
         )
@@ -490,6 +526,7 @@ class DeltaRound(Round):
         mixing: float | None = None,
         error_feedback: bool = False,
         node_group: ProcessGroup = None,
+        own_buffers: bool = False,
     ) -> None:
         dtypes = {flat.dtype for flat in storage.buffers}
         #: The code dtype of a quantized round (None: the payload is sent as it is, in ``comm_dtype``).
@@ -497,8 +534,8 @@ class DeltaRound(Round):
         self._error_feedback = error_feedback
         if self.code_dtype is not None:
             comm_dtype = torch.float32  # the pseudo-gradient is computed in fp32 and quantized by the transport
-        in_place = not overlap and self.code_dtype is None and (comm_dtype is None or dtypes == {comm_dtype})
         one_dtype = self.code_dtype is None and (comm_dtype is None or dtypes == {comm_dtype})
+        in_place = not overlap and one_dtype and not own_buffers
         super().__init__(
             storage,
             group,
@@ -514,6 +551,7 @@ class DeltaRound(Round):
         self.n_params = n_params
         #: The parts whose next round is their first across the islands: a plain mean that sets the anchor.
         self.fresh: set[int] = set()
+        self._first: int | None = None  # the part of the round in flight when it is that part's first
         self.anchor = self.storage.mirror()
         self.snapshot = self.storage.mirror() if overlap else []
         # Per storage buffer, where its parameters end and its buffers (anchored at zero) begin.
@@ -536,6 +574,7 @@ class DeltaRound(Round):
             exact_numel=head.numel(),
             error_feedback=self._error_feedback,
         )
+        mean.abandon = self._abandon
         quantized = _Quantized(mean, mine, head)
         return quantized if self.slices == 1 else _NodeSlices(quantized, [data], self.node_group)
 
@@ -543,11 +582,17 @@ class DeltaRound(Round):
     state_keys: tuple[str, ...] = ("anchor",)
 
     def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
-        if part in self.fresh:  # no anchor shared yet: send the parameters themselves, for a plain mean
+        self._first = part if part in self.fresh else None
+        if self._first is not None:  # no anchor shared yet: send the parameters themselves, for a plain mean
             self._clear_anchor(self.parts[part])
             self.fresh.discard(part)
             outer = False
         super().launch(stamp, label=label, blocking=blocking, outer=outer, part=part)
+
+    def abandon(self) -> None:
+        if self.pending and self._first is not None:  # its anchor was cleared for a plain mean that did not happen
+            self.fresh.add(self._first)
+        super().abandon()
 
     def release_anchors(self) -> None:
         self.fresh = set(range(len(self.parts)))
@@ -683,8 +728,10 @@ class _Sum:
 
     sums = True  # after finish() the payload holds the sum over ranks (not the mean)
 
-    def __init__(self, payload: list[torch.Tensor], group: ProcessGroup, world: int) -> None:
-        self.payload, self.group, self.world = payload, group, world
+    def __init__(
+        self, payload: list[torch.Tensor], group: ProcessGroup, world: int, abandon: Callable[[], bool] | None
+    ) -> None:
+        self.payload, self.group, self.world, self.abandon = payload, group, world, abandon
         self._work: list[dist.Work | None] = []
 
     @property
@@ -704,7 +751,7 @@ class _Sum:
 
     def finish(self) -> None:
         work, self._work = self._work, []
-        wait_all(work)
+        wait_all(work, self.abandon)
 
 
 class _Quantized:

@@ -406,7 +406,7 @@ def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase
     record_property("seconds", seconds)
     if phase == "local":  # the next round says which round and step, and why
         assert survivor.error.startswith(
-            "AveragingError: averaging round 1 at step 5 failed: a peer exited or is unreachable"
+            "PeerError: averaging round 1 at step 5 failed: a peer exited or is unreachable"
         ), survivor.error
     else:  # DDP's own gradient allreduce fails first, with gloo's message
         assert "RuntimeError" in survivor.error or "DistBackendError" in survivor.error, survivor.error

@@ -1,0 +1,64 @@
+"""The coordinator of a run whose sites come and go: a store that every site reaches, and nothing else.
+
+Run it on any stable host outside the training sites; it holds no training state, so the sites train on
+through a restart of any of them, the first one started included::
+
+    python -m fabric_multimodel.coordinator --port 29400
+
+and give each site its address (:class:`~fabric_multimodel.membership.Membership`, the examples'
+``--coordinator HOST:29400``). It is torch's ``TCPStore`` server: the sites' agreements are keys written once
+with ``compare_set`` (see :mod:`fabric_multimodel.membership`), and each epoch's process group meets there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from datetime import timedelta
+
+
+def serve(port: int, stop: threading.Event, ready: threading.Event | None = None) -> None:
+    """Serve the store on ``port`` (every interface) until ``stop`` is set; ``ready`` is set once it listens.
+
+    Example::
+
+        stop = threading.Event()
+        threading.Thread(target=serve, args=(29400, stop), daemon=True).start()
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    if ready is not None:
+        ready.set()
+    stop.wait()
+    del store
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fabric_multimodel.coordinator",
+        description="Serve the store through which the sites of a run agree on who trains together.",
+    )
+    parser.add_argument("--port", type=int, default=29400, help="the TCP port to listen on (default: %(default)s)")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    ready = threading.Event()
+    server = threading.Thread(target=serve, args=(args.port, stop, ready), daemon=True)
+    server.start()
+    while not ready.wait(0.1):
+        if not server.is_alive():
+            print(f"coordinator: could not listen on port {args.port}", file=sys.stderr)
+            return 1
+    print(f"coordinator: serving on port {args.port}; stop it with Ctrl-C or SIGTERM", flush=True)
+    while not stop.wait(1.0):
+        pass
+    print("coordinator: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

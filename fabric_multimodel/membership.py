@@ -1,0 +1,402 @@
+"""Live membership: sites that come and go while the others train on, with no restart.
+
+Each site is a job of its own (its own ``fabric run`` or torchrun). The sites that train together agree,
+through a store on a coordinator outside every site (``python -m fabric_multimodel.coordinator``, a bare
+``TCPStore``), on the members of each *epoch*, and each epoch has a process group of its own among its
+members, made from that store (:func:`~fabric_multimodel.collectives.standalone_group`). An
+:class:`~fabric_multimodel.Averager` given a :class:`Membership` runs each round on the group of the epoch it
+is in, and moves to the next epoch at a round boundary (a site joined) or when a round fails (a site left).
+
+Every decision is one key of the store, written once with ``compare_set``: the first proposal wins and every
+member reads the same value, so no member leads and any site may be lost, the first one included.
+
+- A site *registers* (the ``joins`` counter; ``join/<n>`` holds its name) and waits to be admitted. The first
+  epoch is the first ``min_sites`` sites to register.
+- At a *round boundary* (a round finished, none in flight) every member proposes for
+  ``epoch/<e>/round/<r>``: ``keep``, or the members and the sites registered since. A change is epoch
+  ``e + 1``; the admitted sites find their epoch under ``admit/<token>``.
+- When a round *fails* (a peer exited, or the group's ``timeout`` passed), each survivor checks in under
+  ``epoch/<e>/alive/<token>`` and waits until every member whose heartbeat still moves has checked in (a
+  heartbeat that stood still for ``3 * heartbeat_s`` is a member gone; ``timeout`` at most); the first proposal
+  for ``epoch/<e>/next`` (those checked in, and the sites registered since) is the next epoch. A member left
+  out of it registers again, as a new site.
+
+A member is a *token*, ``<site>#<n>`` (its registration number ``n``), so a site that starts again is a new
+member, never confused with the process it replaces. Epoch ``e + 1`` lists the members kept from epoch ``e``
+first, in their order, then the new ones: its rank 0 is the oldest member still there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fabric_multimodel.collectives import all_gather_single, standalone_group
+
+#: Seconds between two polls of the store while waiting (admission, check-ins).
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership of the run: its number, its members in rank order, this process's rank and their group.
+
+    Example::
+
+        epoch = membership.join()
+        print(f"epoch {epoch.number}: sites {epoch.sites}, I am rank {epoch.rank}")
+        dist.all_reduce(tensor, group=epoch.group)
+    """
+
+    number: int
+    #: The members' tokens, ``<site>#<registration>``, in rank order.
+    members: tuple[str, ...]
+    rank: int
+    #: The epoch's process group (None only while it is being made).
+    group: dist.ProcessGroup | None = field(repr=False, compare=False)
+    #: The members that were not in the previous epoch (all of them in the first).
+    joined: tuple[str, ...] = ()
+    #: The previous epoch's members that are not in this one.
+    left: tuple[str, ...] = ()
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The members' site names, in rank order."""
+        return tuple(site_of(token) for token in self.members)
+
+
+def site_of(token: str) -> str:
+    """The site name of a member's token (``"berlin#3"`` -> ``"berlin"``)."""
+    return token.rpartition("#")[0]
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """What a key of the store says an epoch is: its members, and the registrations it has seen."""
+
+    members: tuple[str, ...]
+    registrations: int
+
+    def encode(self) -> str:
+        return f"{self.registrations}|{','.join(self.members)}"
+
+    @classmethod
+    def decode(cls, value: bytes) -> _Decision:
+        registrations, _, members = value.decode().partition("|")
+        return cls(tuple(m for m in members.split(",") if m), int(registrations))
+
+
+class Membership:
+    """This site's membership in a run whose sites come and go: registration, the epochs it takes part in, and
+    the process group of each.
+
+    Args:
+        coordinator: ``host:port`` of the store every site reaches (``python -m fabric_multimodel.coordinator``).
+        site: this site's name (the same when it starts again); ``#`` is not allowed in it.
+        device: where the group's collectives run (``fabric.device``): gloo on a CPU, NCCL on a GPU.
+        min_sites: the first epoch starts when this many sites registered.
+        timeout: seconds after which a collective of an epoch's group fails, the longest a survivor waits for the
+            others to check in, and for the store.
+        heartbeat_s: seconds between this process's heartbeats; a member whose heartbeat stood still for three of
+            them is gone.
+        run: the run's name: the store's keys are under it, so one coordinator can serve several runs.
+        max_sites: the most members an epoch may have (sites past it wait for a place).
+
+    Example::
+
+        membership = Membership("coordinator-host:29400", site="berlin", device=fabric.device, min_sites=2)
+        with Averager(fabric, model, period=128, outer_optimizer=diloco, membership=membership) as averager:
+            ...  # the loop: a site that leaves or joins costs the others a round's wait, not a restart
+        membership.close()
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        site: str,
+        *,
+        device: torch.device | str = "cpu",
+        min_sites: int = 1,
+        timeout: float = 30.0,
+        heartbeat_s: float = 1.0,
+        run: str = "run",
+        max_sites: int = 64,
+    ) -> None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"Membership: `coordinator` must be 'host:port', got {coordinator!r}.")
+        if not site or "#" in site or "," in site or "|" in site:
+            raise ValueError(f"Membership: `site` must be a non-empty name without '#', ',' or '|', got {site!r}.")
+        for name, value in (("min_sites", min_sites), ("max_sites", max_sites)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Membership: `{name}` must be a positive int, got {value!r}.")
+        if min_sites > max_sites:
+            raise ValueError(f"Membership: `min_sites` ({min_sites}) is more than `max_sites` ({max_sites}).")
+        for name, seconds in (("timeout", timeout), ("heartbeat_s", heartbeat_s)):
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+                raise ValueError(f"Membership: `{name}` must be a positive number of seconds, got {seconds!r}.")
+        self.site, self.min_sites, self.max_sites = site, min_sites, max_sites
+        self.timeout, self.heartbeat_s = float(timeout), float(heartbeat_s)
+        self.device = torch.device(device)
+        self._address = (host, int(port))
+        self._run = run
+        self._store = self._connect()
+        #: This process's token once registered, ``<site>#<n>``.
+        self.token: str | None = None
+        #: The epoch this process is in (None before :meth:`join`).
+        self.epoch: Epoch | None = None
+        #: Seconds this process spent on changes after its first epoch: agreements, waiting for survivors, groups.
+        self.waited_s = 0.0
+        self._decision: _Decision | None = None
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+
+    def _connect(self) -> dist.Store:
+        host, port = self._address
+        store = dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=self.timeout), wait_for_workers=False
+        )
+        return dist.PrefixStore(f"{self._run}/", store)
+
+    # --- registration and admission ---------------------------------------------------------------
+
+    def join(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
+        """Register and wait to be admitted (the first ``min_sites`` sites: at once; later ones at the members'
+        next round boundary); returns the first epoch this process is in, with its group made.
+        ``on_wait(seconds)`` is called about every 10 s while waiting.
+
+        Example::
+
+            epoch = membership.join(on_wait=lambda s: print(f"waiting to be admitted: {s:.0f} s"))
+        """
+        return self._admit(on_wait)
+
+    def _admit(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
+        start = time.perf_counter()
+        number = self._store.add("joins", 1)
+        self.token = f"{self.site}#{number}"
+        self._store.set(f"join/{number}", self.token)
+        self._start_heartbeats()
+        if number <= self.min_sites:  # the first epoch: the first min_sites sites, once they all registered
+            self._poll([f"join/{self.min_sites}"], on_wait, start)
+            first = _Decision(tuple(self._registered(1, self.min_sites)), self.min_sites)
+            self._store.compare_set("epoch/0/next", "", first.encode())
+        admitted = self._poll([f"admit/{self.token}", "epoch/0/next"], on_wait, start, first_only=True)
+        if admitted == "epoch/0/next":
+            decision = _Decision.decode(self._store.get("epoch/0/next"))
+            number = 1
+            if self.token not in decision.members:  # registered before the first epoch, not one of it
+                self._poll([f"admit/{self.token}"], on_wait, start)
+                admitted = f"admit/{self.token}"
+        if admitted != "epoch/0/next":
+            number = int(self._store.get(f"admit/{self.token}"))
+            decision = _Decision.decode(self._store.get(f"epoch/{number - 1}/next"))
+        return self._enter(number, decision, previous=())
+
+    def _registered(self, first: int, last: int) -> list[str]:
+        return [self._store.get(f"join/{n}").decode() for n in range(first, last + 1)]
+
+    def _poll(
+        self,
+        keys: Sequence[str],
+        on_wait: Callable[[float], None] | None,
+        start: float,
+        *,
+        first_only: bool = False,
+    ) -> str:
+        """Wait until every key exists (``first_only``: any of them, returned). Polls: a store wait that times out
+        would leave the connection unusable."""
+        reported = start
+        while True:
+            present = [key for key in keys if self._store.check([key])]
+            if (present and first_only) or len(present) == len(keys):
+                return present[0]
+            now = time.perf_counter()
+            if on_wait is not None and now - reported >= 10:
+                on_wait(now - start)
+                reported = now
+            time.sleep(POLL_S)
+
+    # --- changes ------------------------------------------------------------------------------------
+
+    def at_boundary(self, index: int) -> Epoch | None:
+        """At a round boundary (``index``: the same count on every member, e.g. the rounds so far): a new epoch,
+        with its group made, when sites registered since this one began; else None. One ``compare_set`` on the
+        store, and nothing else, when no site is waiting.
+
+        Example::
+
+            if (epoch := membership.at_boundary(averager.rounds)) is not None:
+                print("admitted", epoch.joined)
+        """
+        epoch, decision = self._current()
+        start = time.perf_counter()
+        registered = self._store.add("joins", 0)
+        proposal = "keep"
+        room = self.max_sites - len(epoch.members)
+        if registered > decision.registrations and room > 0:
+            last = min(registered, decision.registrations + room)
+            new = self._registered(decision.registrations + 1, last)
+            proposal = _Decision(epoch.members + tuple(new), last).encode()
+        decided = self._store.compare_set(f"epoch/{epoch.number}/round/{index}", "", proposal).decode()
+        if decided == "keep":
+            return None
+        # the round's decision is the next epoch, unless a failure elsewhere decided it first
+        taken = _Decision.decode(self._store.compare_set(f"epoch/{epoch.number}/next", "", decided))
+        result = self._change(epoch, taken)
+        self.waited_s += time.perf_counter() - start
+        return result
+
+    def recover(self) -> Epoch:
+        """After a round of this epoch failed: agree with the survivors on the next epoch and make its group. A
+        member left out of it (it checked in too late) registers again and waits to be admitted.
+
+        Example::
+
+            try:
+                dist.all_reduce(tensor, group=epoch.group)
+            except RuntimeError:
+                epoch = membership.recover()
+        """
+        epoch, decision = self._current()
+        start = time.perf_counter()
+        assert self.token is not None
+        self._store.set(f"epoch/{epoch.number}/failing", "1")  # the others stop waiting on this epoch's collectives
+        self._store.set(f"epoch/{epoch.number}/alive/{self.token}", "1")
+        key = f"epoch/{epoch.number}/next"
+        if not self._store.check([key]):
+            alive = self._survivors(epoch)
+            registered = self._store.add("joins", 0)
+            last = min(registered, decision.registrations + max(self.max_sites - len(alive), 0))
+            proposal = _Decision(tuple(alive) + tuple(self._registered(decision.registrations + 1, last)), last)
+            self._store.compare_set(key, "", proposal.encode())
+        result = self._change(epoch, _Decision.decode(self._store.get(key)))
+        self.waited_s += time.perf_counter() - start
+        return result
+
+    def failing(self) -> bool:
+        """True once a member of this epoch has begun to recover from a failed round: a collective of the epoch
+        that is still unfinished can then only time out (one look at the store).
+
+        Example::
+
+            wait_all(work, abandon=membership.failing)
+        """
+        epoch = self.epoch
+        return epoch is not None and self._store.check([f"epoch/{epoch.number}/failing"])
+
+    def _survivors(self, epoch: Epoch) -> list[str]:
+        """The members of ``epoch`` that checked in, once every member whose heartbeat moves has (``timeout`` at
+        most), in the epoch's order."""
+        start = time.perf_counter()
+        beats: dict[str, tuple[int, float]] = {}
+        while True:
+            now = time.perf_counter()
+            checked = {m for m in epoch.members if self._store.check([f"epoch/{epoch.number}/alive/{m}"])}
+            waiting = []
+            for member in epoch.members:
+                if member in checked:
+                    continue
+                count = self._store.add(f"beat/{member}", 0)
+                last = beats.get(member)
+                if last is None or last[0] != count:
+                    beats[member] = (count, now)
+                if now - beats[member][1] < 3 * self.heartbeat_s:
+                    waiting.append(member)
+            if not waiting or now - start >= self.timeout or self._store.check([f"epoch/{epoch.number}/next"]):
+                return [m for m in epoch.members if m in checked]
+            time.sleep(POLL_S)
+
+    def _change(self, epoch: Epoch, decision: _Decision) -> Epoch:
+        """Move from ``epoch`` to the next, as ``decision`` says; rejoin as a new site when it leaves us out."""
+        assert self.token is not None
+        for token in decision.members:
+            if token not in epoch.members:
+                self._store.set(f"admit/{token}", str(epoch.number + 1))
+        self._store.set("epoch", str(epoch.number + 1))
+        if self.token not in decision.members:
+            self.epoch = self._decision = None
+            return self._admit()
+        return self._enter(epoch.number + 1, decision, previous=epoch.members)
+
+    def _enter(self, number: int, decision: _Decision, previous: Sequence[str]) -> Epoch:
+        """Make the group of epoch ``number`` (every member calls this; ``timeout`` at most). A member that does not
+        arrive fails the epoch before it began: the others recover from it."""
+        assert self.token is not None
+        rank = decision.members.index(self.token)
+        joined = tuple(m for m in decision.members if m not in previous)
+        left = tuple(m for m in previous if m not in decision.members)
+        self.epoch, self._decision = Epoch(number, decision.members, rank, None, joined, left), decision
+        store = dist.PrefixStore(f"epoch/{number}/group/", self._store)
+        try:
+            group = standalone_group(store, rank, len(decision.members), self.device, self.timeout)
+        except RuntimeError:
+            return self.recover()
+        self.epoch = dataclasses.replace(self.epoch, group=group)
+        return self.epoch
+
+    def _current(self) -> tuple[Epoch, _Decision]:
+        if self.epoch is None or self._decision is None:
+            raise RuntimeError("Membership: this site is in no epoch yet; call join() first.")
+        return self.epoch, self._decision
+
+    # --- heartbeats ---------------------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self._beats is not None:
+            return
+        store = self._connect()  # a connection of its own: the training thread's may be waiting on the store
+
+        def beat() -> None:
+            while not self._stop.is_set():
+                try:
+                    store.add(f"beat/{self.token}", 1)  # a site that registered again beats under its new token
+                except RuntimeError:  # the coordinator is gone; the training thread will say so
+                    return
+                self._stop.wait(self.heartbeat_s)
+
+        self._beats = threading.Thread(target=beat, name=f"heartbeat-{self.site}", daemon=True)
+        self._beats.start()
+
+    def close(self) -> None:
+        """Stop the heartbeats (the others then see this site gone within ``3 * heartbeat_s``) and drop the group.
+
+        Example::
+
+            membership.close()
+        """
+        self._stop.set()
+        if self._beats is not None:
+            self._beats.join(timeout=self.heartbeat_s + 1)
+        self.epoch = self._decision = None
+
+    def __enter__(self) -> Membership:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def catch_up(progress: Sequence[int], device: torch.device, group: dist.ProcessGroup) -> tuple[int | None, list[int]]:
+    """Which member of ``group`` holds the newest state, and which are behind it, from each member's ``progress``
+    (ints of the same length on every member, compared in order: the step, then the step of the last round).
+    ``(None, [])`` when every member is where the others are. One all-gather.
+
+    Example::
+
+        source, behind = catch_up([averager.steps, averager.finished_at or -1], fabric.device, epoch.group)
+    """
+    mine = torch.tensor(list(progress), dtype=torch.int64, device=device)
+    everyone = torch.zeros(group.size() * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_single(everyone, mine, group=group)
+    rows = [tuple(row) for row in everyone.view(group.size(), -1).tolist()]
+    newest = max(rows)
+    behind = [rank for rank, row in enumerate(rows) if row != newest]
+    return (rows.index(newest) if behind else None), behind

@@ -1,0 +1,130 @@
+"""Sites of a live-membership run for the tests: each a process of its own (no world in common) that joins a
+coordinator and reports what it saw. Module-level functions, so that the test's processes can run them."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fabric_multimodel.collectives import wait_all
+from fabric_multimodel.membership import Membership
+
+
+def _leave_abruptly(queue: Any, report: Any) -> None:
+    queue.put(report)
+    queue.close()
+    queue.join_thread()  # what was put reaches the parent before the exit
+    os._exit(0)
+
+
+def _membership(address: str, name: str, plan: dict[str, Any]) -> Membership:
+    return Membership(
+        address,
+        name,
+        min_sites=plan.get("min_sites", 1),
+        timeout=plan.get("timeout", 5.0),
+        heartbeat_s=0.2,
+        run=plan["run"],
+    )
+
+
+def counting_site(address: str, name: str, plan: dict[str, Any], queue: Any) -> None:
+    """Round after round, sum this site's ``value`` over the epoch's group and agree on the round's number (the
+    largest any member has done, plus one); recover when a round fails, ask at each boundary whether sites joined.
+    Ends after round ``rounds``, or abruptly after ``die_after``. Reports (epoch, sites, sum) per round."""
+    membership = _membership(address, name, plan)
+    epoch = membership.join()
+    seen: list[tuple[int, tuple[str, ...], float]] = []
+    done = 0
+    while done < plan["rounds"]:
+        time.sleep(plan.get("round_s", 0.02))
+        values = torch.tensor([plan["value"], float(done)])
+        try:  # a peer that left makes the survivors stop waiting at once, not after the group's timeout
+            total = values[:1].clone()
+            wait_all([dist.all_reduce(total, group=epoch.group, async_op=True)], membership.failing)
+            wait_all([dist.all_reduce(values[1:], dist.ReduceOp.MAX, epoch.group, True)], membership.failing)
+        except RuntimeError:
+            epoch = membership.recover()
+            continue
+        done = int(values[1]) + 1
+        seen.append((epoch.number, epoch.sites, float(total)))
+        if plan.get("die_after") == done:
+            _leave_abruptly(queue, (name, seen, None))
+        changed = membership.at_boundary(done)
+        epoch = changed or epoch
+    queue.put((name, seen, membership.waited_s))
+    membership.close()
+
+
+def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) -> None:
+    """A site of one process training a small model with an Averager that takes ``membership``, for the run's
+    ``steps`` (a site that joins late starts at the step it is given). ``options``: the Averager's (with
+    ``outer_lr`` for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step. Reports the epochs it saw,
+    its final parameters' fingerprint, its steps, its membership wait and the collectives of each epoch's start."""
+    from lightning_fabric import Fabric
+
+    from fabric_multimodel import Averager
+    from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
+
+    entries: list[dict[str, int]] = []  # per epoch entered: the collectives its start issued
+
+    def counting(kind: str) -> Any:
+        call = getattr(dist, kind)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if entries:
+                entries[-1][kind] = entries[-1].get(kind, 0) + 1
+            return call(*args, **kwargs)
+
+        return counted
+
+    for kind in ("all_reduce", ALL_GATHER_SINGLE, "broadcast"):
+        setattr(dist, kind, counting(kind))
+    enter = Averager._enter_epoch
+
+    def entering(self: Averager, epoch: Any) -> None:
+        entries.append({"epoch": epoch.number})
+        enter(self, epoch)
+        entries.append({})  # what follows is no epoch's start
+
+    Averager._enter_epoch = entering  # type: ignore[method-assign]
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(sum(map(ord, name)))  # every site its own start: the first epoch starts them all from one
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    options = dict(plan["options"])
+    if "outer_lr" in options:
+        outer_lr = options.pop("outer_lr")
+        options["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True)
+    membership = _membership(address, name, plan)
+    generator = torch.Generator().manual_seed(sum(map(ord, name)))
+    epochs = []
+    with Averager(fabric, model, membership=membership, **options) as averager:
+        while averager.steps < plan["steps"]:
+            if not epochs or membership.epoch.number != epochs[-1][0]:
+                epochs.append((membership.epoch.number, membership.epoch.sites))
+            x = torch.randn(32, 8, generator=generator)
+            loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+            opt.zero_grad()
+            fabric.backward(loss)
+            opt.step()
+            if plan.get("die_at") == averager.steps + 1:
+                _leave_abruptly(queue, (name, {"epochs": epochs}, None))
+            averager.step()
+            time.sleep(plan.get("step_s", 0.0))
+    result = {
+        "epochs": epochs,
+        "params": tensors_fingerprint(model.parameters()),
+        "steps": averager.steps,
+        "wait_s": averager.membership_wait_s,
+        "loss": float(loss.detach()),
+        "starts": [e for e in entries if "epoch" in e],
+    }
+    membership.close()
+    queue.put((name, result, None))

@@ -1,0 +1,257 @@
+"""Live membership: sites (processes with no world in common) that agree through a coordinator on who trains
+together, lose a site and admit one with no restart, and end with identical models."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+import torch
+import torch.distributed as dist
+
+from fabric_multimodel import Averager
+from fabric_multimodel.launch import free_port, parse_final_line, process_context
+from fabric_multimodel.membership import Membership, _Decision, site_of
+from tests.membership_sites import averaging_site, counting_site
+
+_runs = itertools.count()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def coordinator() -> Iterator[str]:
+    """The coordinator, started as a user starts it; it must stop on SIGTERM."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", str(port)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert "serving on port" in proc.stdout.readline()
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    assert proc.wait(timeout=10) == 0
+
+
+def _start(target: Any, address: str, name: str, plan: dict[str, Any], queue: Any) -> Any:
+    proc = process_context().Process(target=target, args=(address, name, plan, queue), daemon=True)
+    proc.start()
+    return proc
+
+
+def _run_sites(
+    target: Any, address: str, plans: dict[str, dict[str, Any]], joiner: tuple[str, dict[str, Any]], lost: str
+) -> dict[str, Any]:
+    """Start the sites of ``plans``; once ``lost`` reported its last round, start ``joiner``; collect every report."""
+    queue = process_context().Queue()
+    procs = [_start(target, address, name, plan, queue) for name, plan in plans.items()]
+    reports: dict[str, Any] = {}
+    try:
+        while lost not in reports:
+            name, report, waited = queue.get(timeout=60)
+            reports[name] = (report, waited)
+        procs.append(_start(target, address, *joiner, queue))
+        while len(reports) < len(plans) + 1:
+            name, report, waited = queue.get(timeout=90)
+            reports[name] = (report, waited)
+        for proc in procs:
+            proc.join(timeout=30)
+            assert proc.exitcode == 0, f"a site exited with {proc.exitcode}"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    return reports
+
+
+@pytest.mark.parametrize("lost", ["a", "c"])  # a: the first site started, rank 0 of the first epoch
+def test_sites_agree_on_each_epoch_through_a_loss_and_a_join(coordinator: str, lost: str) -> None:
+    run = f"count{next(_runs)}"
+    values = {"a": 1.0, "b": 2.0, "c": 4.0}
+    plans = {
+        name: {"run": run, "rounds": 120, "min_sites": 3, "value": value, "die_after": 10 if name == lost else None}
+        for name, value in values.items()
+    }
+    reports = _run_sites(counting_site, coordinator, plans, ("d", {"run": run, "rounds": 120, "value": 8.0}), lost)
+
+    survivors = sorted(set(values) - {lost})
+    lost_rounds, _ = reports[lost]
+    assert {(e, tuple(sorted(s)), t) for e, s, t in lost_rounds} == {(1, ("a", "b", "c"), 7.0)}
+    for name in survivors:
+        rounds, waited = reports[name]
+        epochs = [k for k, _ in itertools.groupby((e, tuple(sorted(s)), t) for e, s, t in rounds)]
+        kept = sum(values[s] for s in survivors)
+        # d is admitted at a round boundary, or with the survivors' recovery when it registered before that
+        assert epochs in (
+            [(1, ("a", "b", "c"), 7.0), (2, tuple(survivors), kept), (3, (*survivors, "d"), kept + 8.0)],
+            [(1, ("a", "b", "c"), 7.0), (2, (*survivors, "d"), kept + 8.0)],
+        )
+        assert len(rounds) == 120  # every round was done once, none twice: the lost one was redone
+        assert waited < 5.0, f"{name} waited {waited:.1f} s on membership"
+        # the epoch after the loss keeps the members' order: the oldest one left is its rank 0
+        assert rounds[-1][1] == tuple(s for s in rounds[0][1] if s != lost) + ("d",)
+    joined, _ = reports["d"]
+    assert joined and {(e, t) for e, _, t in joined} == {(epochs[-1][0], kept + 8.0)}
+
+
+def _diloco(**options: Any) -> dict[str, Any]:
+    return {"period": 8, "warmup_steps": 0, "outer_lr": 0.7, **options}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        _diloco(fragments=2, overlap_steps=2, comm_dtype=torch.bfloat16),  # streaming DiLoCo, overlapped
+        _diloco(comm_dtype=torch.float8_e4m3fn),  # blocking rounds, a quantized all-to-all and all-gather
+    ],
+    ids=["streaming-bf16", "fp8"],
+)
+def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_identical(
+    coordinator: str, options: dict[str, Any]
+) -> None:
+    run = f"avg{next(_runs)}"
+    common = {"run": run, "steps": 240, "options": options, "step_s": 0.01}
+    plans = {name: {**common, "min_sites": 3, "die_at": 40 if name == "a" else None} for name in "abc"}
+    reports = _run_sites(averaging_site, coordinator, plans, ("d", common), "a")
+
+    finished = {name: report for name, (report, _) in reports.items() if name != "a"}
+    assert reports["a"][0]["epochs"] == [(1, reports["a"][0]["epochs"][0][1])]
+    assert len({r["params"] for r in finished.values()}) == 1, "the sites left the block with different models"
+    for name, r in finished.items():
+        assert r["steps"] == 240
+        assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
+    for name in "bc":
+        epochs = [(e, tuple(sorted(s))) for e, s in finished[name]["epochs"]]
+        assert epochs in (  # d admitted at a round boundary, or with the recovery when it registered before it
+            [(1, ("a", "b", "c")), (2, ("b", "c")), (3, ("b", "c", "d"))],
+            [(1, ("a", "b", "c")), (2, ("b", "c", "d"))],
+        )
+        starts = finished[name]["starts"]
+        assert [s["epoch"] for s in starts] == [e for e, _ in epochs]
+        assert starts[0].get("broadcast", 0) >= 1  # the sites began from their own seeds: the first member's values
+        # every later start: the agreement check and the one all-gather of where every member is; the state goes to
+        # the new site alone, point to point, and nothing is broadcast
+        for start in starts[1:]:
+            assert start.get("all_reduce") == 1 and sum(v for k, v in start.items() if "gather" in k) == 1
+            assert "broadcast" not in start
+    assert [e for e, _ in finished["d"]["epochs"]] == [epochs[-1][0]]
+
+
+def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registers(coordinator: str) -> None:
+    run = f"refused{next(_runs)}"
+    host, port = coordinator.rsplit(":", 1)
+    store = dist.PrefixStore(f"{run}/", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False))
+    membership = Membership(coordinator, "a", run=run, timeout=5.0)
+    model = torch.nn.Linear(2, 2)
+    for options, named in (
+        ({"period": "auto", "warmup_steps": 4}, "period='auto'"),
+        ({"period": 4, "pace": "speed", "warmup_steps": 4}, "pace='speed'"),
+        ({"period": 4, "process_group": object()}, "process_group"),
+    ):
+        with pytest.raises(ValueError, match=f"`membership` does not take {named}"):
+            Averager(torch.device("cpu"), model, membership=membership, **options)
+    assert store.add("joins", 0) == 0  # nobody registered
+    membership.close()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"coordinator": "nohost", "site": "a"}, "coordinator"),
+        ({"coordinator": "127.0.0.1:1", "site": "a#1"}, "site"),
+        ({"coordinator": "127.0.0.1:1", "site": "a", "min_sites": 0}, "min_sites"),
+        ({"coordinator": "127.0.0.1:1", "site": "a", "timeout": -1}, "timeout"),
+        ({"coordinator": "127.0.0.1:1", "site": "a", "min_sites": 3, "max_sites": 2}, "min_sites"),
+    ],
+)
+def test_membership_names_the_argument_it_refuses(arguments: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=f"`{named}`"):
+        Membership(**arguments)
+
+
+def test_a_token_names_its_site() -> None:
+    assert site_of("berlin#12") == "berlin"
+
+
+def _lm_site(address: str, out: Path, site: str, *extra: str) -> subprocess.Popen[str]:
+    flags = [
+        "--steps", "2500", "--batch-size", "2", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--eval-batches", "2", "--log-every", "500", "--checkpoint-every", "0", "--accelerator", "cpu",
+        "--period", "16", "--warmup-steps", "0", "--outer", "nesterov", "--fragments", "2", "--overlap-steps", "2",
+        "--comm-dtype", "float8_e4m3fn", "--timeout", "10", "--coordinator", address, "--site", site,
+        "--out", str(out / site), *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-u", "examples/lm_fabric.py", *flags],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_the_lm_example_trains_on_through_a_lost_site_and_one_that_joins(coordinator: str, tmp_path: Path) -> None:
+    """Three sites, each `python examples/lm_fabric.py` of its own; site a (the first epoch's rank 0 or not) is
+    killed with SIGKILL mid-run, then site d starts: b and c never restart, d joins them, all three end together
+    with the same model."""
+    sites = {name: _lm_site(coordinator, tmp_path, name, "--min-sites", "3") for name in "abc"}
+    outputs: dict[str, str] = {}
+    try:
+        seen = ""
+        deadline = time.monotonic() + 120
+        while "membership: epoch=1" not in seen and time.monotonic() < deadline:  # a trains
+            seen += sites["a"].stdout.readline()  # type: ignore[union-attr]
+        time.sleep(0.5)
+        sites["a"].kill()
+        outputs["a"] = seen + sites["a"].communicate()[0]
+        sites["d"] = _lm_site(coordinator, tmp_path, "d")
+        for name in "bcd":
+            outputs[name] = sites[name].communicate(timeout=180)[0]
+            assert sites[name].returncode == 0, f"site {name}:\n{outputs[name][-3000:]}"
+    finally:
+        for proc in sites.values():
+            if proc.poll() is None:
+                proc.kill()
+    keys = [
+        "steps", "val_loss", "val_bpb", "wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter",
+        "rounds", "state_bytes", "membership_wait_s", "process_start",
+    ]  # fmt: skip
+    finals = {name: parse_final_line(outputs[name], keys) for name in "bcd"}
+    assert {f["steps"] for f in finals.values()} == {"2500"}
+    assert len({f["val_loss"] for f in finals.values()}) == 1, finals  # one model, averaged at the end
+    for name in "bc":
+        epochs = [
+            dict(field.split("=", 1) for field in line.split()[1:])
+            for line in outputs[name].splitlines()
+            if line.startswith("membership:")
+        ]
+        first = epochs[0]["sites"].split(",")
+        survivors = ",".join(site for site in first if site != "a")  # in the first epoch's order
+        assert [(e["epoch"], e["sites"], e["left"], e["joined"]) for e in epochs] == [
+            ("1", epochs[0]["sites"], "-", epochs[0]["sites"]),
+            ("2", survivors, "a", "-"),
+            ("3", f"{survivors},d", "-", "d"),
+        ]
+        assert sorted(first) == ["a", "b", "c"]
+        assert float(finals[name]["membership_wait_s"]) < 5.0
+    assert "membership: epoch=3" in outputs["d"] and "epoch=1" not in outputs["d"]
+
+
+names = st.text(alphabet=st.characters(blacklist_characters="#,|", blacklist_categories=("Cs",)), min_size=1)
+
+
+@given(members=st.lists(st.tuples(names, st.integers(1, 10**6)), unique=True), seen=st.integers(0, 10**6))
+def test_a_decision_reads_back_as_written(members: list[tuple[str, int]], seen: int) -> None:
+    """What the store holds for an epoch: its members' tokens and the registrations it has seen, exactly."""
+    decision = _Decision(tuple(f"{site}#{n}" for site, n in members), seen)
+    assert _Decision.decode(decision.encode().encode()) == decision
+    assert [site_of(token) for token in decision.members] == [site for site, _ in members]
