@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fabric_multimodel import Averager
 from fabric_multimodel.launch import free_port, parse_final_line, process_context
