@@ -9,10 +9,18 @@ worker start, checkpoint load), the steps lost (the failed round's step minus th
 site rejoined (and where the rejoining site's start went, phase by phase), and the final validation losses side
 by side. With ``--join-at``, no site is dropped: a third site starts that many seconds in and joins the run.
 
+With ``--live``, the same drop twice more beside the torchrun runs, in live membership (``--launcher live``:
+3 sites of one process, each a world of its own, the coordinator in a namespace of its own): an uninterrupted
+live run and one in which the same site is killed and started again. Read from the examples' ``membership:``
+lines: the kill to the survivors' next epoch (training again, no process restarted), the return to the epoch
+that takes the site back, the state it received, and the survivors' ``membership_wait_s``. ``--drop-site 0``
+drops the first site (live runs only: torchrun's site 0 hosts its rendezvous).
+
 Usage::
 
     python benchmarks/elastic.py [--quick] [--out DIR] [--bandwidth 100mbit] [--at 40] [--back 80] [--streaming]
     python benchmarks/elastic.py --streaming --period 128 --bandwidth 10mbit --join-at 50  # a third site joins
+    python benchmarks/elastic.py --live --streaming --period 128 --bandwidth 10mbit --at 30 --back 50
 """
 
 from __future__ import annotations
@@ -39,6 +47,67 @@ RECEIVED = re.compile(r"--resume auto: step \d+ from \S+ into (\d+) processes .*
 FAILED_ROUND = re.compile(r"averaging round \d+ at step (\d+)(?: \(fragment \d+ of \d+\))? failed")
 # torch elastic's log prefix, e.g. "E1201 22:28:35.218000 18922 .../api.py:1002] failed (exitcode: 1)"
 AGENT_FAILED = re.compile(r"^[EW](\d{4} \d\d:\d\d:\d\d\.\d+) \d+ .*failed \(exitcode")
+MEMBERSHIP_KEYS = [*common.LM_KEYS, "membership_wait_s", "process_start"]
+
+
+def live_run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
+    """A live-membership run of 3 sites x 1 (``--launcher live``), and what its ``membership:`` lines say."""
+    folder = args.out / f"{NAME}_runs" / label
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    script = [
+        "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "0", "--outer", "nesterov",
+        "--checkpoint-every", "0", "--timeout", "60", "--min-sites", "3", "--out", str(folder / "site{site}"),
+        *streaming_flags(args, live=True), *args.example_args,
+    ]  # fmt: skip
+    result = run_sites(
+        common.REPO / "examples" / "lm_fabric.py",
+        script,
+        sites=3,
+        devices=1,
+        bandwidth=args.bandwidth,
+        out=folder / "sites",
+        launcher="live",
+        drop=drop,
+        stream=False,
+        timeout=args.run_timeout,
+    )
+    texts = [out.read_text() for out, _ in result.logs]
+    survivor = next(site for site in range(3) if drop is None or site != drop.site)
+    row: dict[str, Any] = {"run": label, "code": result.code, "sites_wall_s": result.wall_s}
+    if result.code == 0:
+        row.update({k: float(v) for k, v in parse_final_line(texts[survivor], MEMBERSHIP_KEYS).items()})
+        waits = [float(parse_final_line(text, MEMBERSHIP_KEYS)["membership_wait_s"]) for text in texts]
+        row["membership_wait_s"] = max(w for site, w in enumerate(waits) if drop is None or site != drop.site)
+        row["losses"] = [float(parse_final_line(text, MEMBERSHIP_KEYS)["val_loss"]) for text in texts]
+    if drop is None or result.dropped_at is None:
+        return row
+    killed = result.started + result.dropped_at
+    lines = _membership(texts[survivor])
+    gone = next((e for e in lines if str(drop.site) in e["left"].split(",") and e["time"] > killed), None)
+    if gone:
+        row["kill_to_training_s"] = gone["time"] - killed
+        row["steps_lost"] = 0  # no process restarted: every survivor's step() count went on
+    if result.back_at is not None:
+        back = result.started + result.back_at
+        taken = next((e for e in lines if str(drop.site) in e["joined"].split(",") and e["time"] > back), None)
+        if taken:
+            row["back_to_training_s"] = taken["time"] - back
+        arrived = [e for e in _membership(texts[drop.site]) if e["time"] > back]
+        if arrived:
+            row["received_mb"] = arrived[0]["state_bytes"] / 1e6
+    return row
+
+
+def _membership(text: str) -> list[dict[str, Any]]:
+    """The ``membership:`` lines of a site's output, with their numbers as numbers."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("membership:"):
+            fields = dict(field.split("=", 1) for field in line.split()[1:])
+            lines.append({**fields, "time": float(fields["time"]), "state_bytes": int(fields["state_bytes"])})
+    return lines
 
 
 def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> dict[str, Any]:
@@ -54,7 +123,7 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
     result = run_sites(
         common.REPO / "examples" / "lm_fabric.py",
         script,
-        sites=3 if join else 2,
+        sites=3 if join or args.live else 2,
         devices=args.devices,
         bandwidth=args.bandwidth,
         out=folder / "sites",
@@ -111,11 +180,12 @@ def _phases(log: Any, world: int) -> dict[str, Any]:
     return row
 
 
-def streaming_flags(args: Any) -> list[str]:
-    """``--streaming``: islands streaming DiLoCo, 4 fragments, each merged period / 8 steps after its launch."""
+def streaming_flags(args: Any, live: bool = False) -> list[str]:
+    """``--streaming``: (islands) streaming DiLoCo, 4 fragments, each merged period / 8 steps after its launch; a
+    live site is one process, so no islands there."""
     if not args.streaming:
         return []
-    return ["--layout", "islands", "--fragments", "4", "--overlap-steps", str(args.period // 8)]
+    return [*([] if live else ["--layout", "islands"]), "--fragments", "4", "--overlap-steps", str(args.period // 8)]
 
 
 def _agent_time(stamp: str, near: float) -> float:
@@ -140,12 +210,22 @@ def main(argv: list[str] | None = None) -> None:
         "--join-at", type=float, default=None, help="instead of a drop: a third site starts this many seconds in"
     )
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run is abandoned")
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="3 sites x 1 process, and the same drop in live membership (--launcher live) beside torchrun's",
+    )
+    p.add_argument("--drop-site", type=int, default=1, help="the site to drop (0: live runs only; default 1)")
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--`")
     args = p.parse_args(argv)
-    args.devices = args.devices or (1 if args.quick else 2)
+    args.devices = args.devices or (1 if args.quick or args.live else 2)
+    if args.live and (args.devices != 1 or args.join_at):
+        p.error("--live runs sites of one process (--devices 1) and drops a site (no --join-at)")
+    if args.drop_site == 0 and not args.live:
+        p.error("--drop-site 0 needs --live: torchrun's site 0 hosts the rendezvous")
     args.steps = args.steps or (600 if args.quick else 2000)
-    if args.streaming and (args.period % 32 or args.devices < 2):
-        p.error("--streaming needs a --period that 32 divides and --devices >= 2 (islands)")
+    if args.streaming and (args.period % 32 or (args.devices < 2 and not args.live)):
+        p.error("--streaming needs a --period that 32 divides and --devices >= 2 (islands; --live: one process)")
     at = args.at or (25.0 if args.quick else 45.0)
     back = args.back if args.back is not None else (45.0 if args.quick else 80.0)
     info = common.machine_info()
@@ -154,7 +234,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.join_at:
         rows.append(run(args, "site-2-joins", None, Join(site=2, at=args.join_at)))
     else:
-        rows.append(run(args, "site-1-dropped", Drop(site=1, at=at, back=back or None)))
+        torchrun_site = args.drop_site or 1
+        rows.append(run(args, f"site-{torchrun_site}-dropped", Drop(site=torchrun_site, at=at, back=back or None)))
+    if args.live:
+        rows.append(live_run(args, "live-uninterrupted", None))
+        common.progress(f"live uninterrupted: exit code {rows[-1]['code']}, {rows[-1]['sites_wall_s']:.0f} s")
+        rows.append(live_run(args, f"live-site-{args.drop_site}-dropped", Drop(args.drop_site, at, back or None)))
+        common.progress(f"live, site {args.drop_site} dropped: exit code {rows[-1]['code']}")
+        print_live(args, at, back, rows, info)
+        return
     whole, changed = rows
     label = "site 2 joins" if args.join_at else "site 1 dropped"
     common.progress(f"{label}: exit code {changed['code']}, {changed['sites_wall_s']:.0f} s")
@@ -202,6 +290,46 @@ def main(argv: list[str] | None = None) -> None:
     if changed.get("rejoin_phases"):
         phases = " ".join(f"{name} {seconds:.1f}" for name, seconds in changed["rejoin_phases"].items())
         print(f"the arriving site's start, seconds per phase: {phases}")
+    common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
+
+
+def print_live(args: Any, at: float, back: float, rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    """The torchrun path and live membership side by side: one table."""
+    print(
+        f"# Losing a site and taking it back: torchrun's elastic agent and live membership{' (QUICK)' * args.quick}\n"
+    )
+    print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=1, steps=args.steps))
+    mode = f"streaming DiLoCo {args.period} (4 fragments, overlap {args.period // 8})" if args.streaming else ""
+    print(
+        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, 3 sites x 1 process behind"
+        f" {args.bandwidth}; site {args.drop_site or 1} (torchrun) and site {args.drop_site} (live) killed"
+        f" at {at:.0f} s, back at {back:.0f} s.\n"
+    )
+
+    def cell(row: dict[str, Any], key: str, fmt: str = "{:.1f}") -> str:
+        value = row.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    spec = [
+        ("exit code", "code", "{}"),
+        ("steps finished", "steps", "{:g}"),
+        ("final validation loss", "val_loss", "{:.4f}"),
+        ("wall-clock s (the tool's, start to end)", "sites_wall_s", "{:.1f}"),
+        ("kill -> survivors training again, s", "kill_to_training_s", "{:.1f}"),
+        ("steps lost", "steps_lost", "{:g}"),
+        ("site back -> training with all 3, s", "back_to_training_s", "{:.1f}"),
+        ("MB the returning site received", "received_mb", "{:.2f}"),
+        ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),
+    ]
+    table = [[name, *(cell(row, key, fmt) for row in rows)] for name, key, fmt in spec]
+    for base, changed in ((rows[0], rows[1]), (rows[2], rows[3])):
+        if base.get("val_loss") and changed.get("val_loss"):
+            changed["loss_vs_uninterrupted"] = 100 * (changed["val_loss"] / base["val_loss"] - 1)
+    table.append(["loss vs uninterrupted, %", *(cell(row, "loss_vs_uninterrupted", "{:+.2f}") for row in rows)])
+    print(common.markdown_table(["", "torchrun", "torchrun, dropped", "live", "live, dropped"], table))
+    for row in rows[2:]:
+        if row.get("losses"):
+            print(f"{row['run']}: every site's final validation loss {row['losses']}")
     common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
 
 

@@ -161,9 +161,12 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
         "--coordinator",
         metavar="HOST:PORT",
         help="live membership: this process is a site of its own that joins the run through this coordinator"
-        " (python -m fabric_multimodel.coordinator); sites may leave and join while the others train on",
+        " (python -m fabric_multimodel.coordinator); sites may leave and join while the others train on (default:"
+        " none, the processes of this launch are the whole run)",
     )
-    g.add_argument("--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name")
+    g.add_argument(
+        "--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name (default: $SITE)"
+    )
     g.add_argument("--min-sites", type=int, default=1, help="with --coordinator: sites the run starts with")
     g.add_argument(
         "--mixing",
@@ -467,8 +470,9 @@ def data_rank(fabric: Fabric, args: argparse.Namespace) -> int:
 
 
 def report_membership(fabric: Fabric, averager: Averager | None, seen: int) -> int:
-    """Print ``membership: epoch=E sites=... left=... joined=... waited_s=...`` when this site entered an epoch after
-    the one numbered ``seen``; returns the number of the epoch it is in (0 without a membership)."""
+    """Print ``membership: epoch=E sites=... left=... joined=... waited_s=... state_bytes=... time=...`` (the state
+    received or sent on entering, the unix time) when this site entered an epoch after the one numbered ``seen``;
+    returns the number of the epoch it is in (0 without a membership)."""
     epoch = averager.membership.epoch if averager is not None and averager.membership is not None else None
     if epoch is None or epoch.number == seen:
         return seen
@@ -476,7 +480,7 @@ def report_membership(fabric: Fabric, averager: Averager | None, seen: int) -> i
     left, joined = (",".join(map(site_of, tokens)) or "-" for tokens in (epoch.left, epoch.joined))
     fabric.print(
         f"membership: epoch={epoch.number} sites={','.join(epoch.sites)} left={left} joined={joined}"
-        f" waited_s={averager.membership_wait_s:.2f}"
+        f" waited_s={averager.membership_wait_s:.2f} state_bytes={averager.state_traffic.bytes} time={time.time():.2f}"
     )
     return epoch.number
 

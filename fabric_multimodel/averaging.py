@@ -223,6 +223,9 @@ class Averager:
         #: Seconds this process spent on membership changes after its first epoch: agreements, groups, the state sent
         #: to a site that joined or received from a member (its own admission is part of its start, not counted).
         self.membership_wait_s = 0.0
+        #: Bytes of Averager state this process received from a member when it entered an epoch behind the others
+        #: (a site that joined), and sent to such members; per epoch entered, the last one's.
+        self.state_traffic = Traffic()
         epoch = None
         if membership is not None:  # every check before this site registers, so a mistake costs the others nothing
             check_membership(config, process_group, node_group)
@@ -862,6 +865,7 @@ class Averager:
                     raise
                 progress = [self.steps, -1 if self.finished_at is None else self.finished_at]
                 source, behind = catch_up(progress, self._device, epoch.group)
+                self.state_traffic = Traffic()
                 if source is None:
                     if self.steps == 0:
                         self.start_traffic += self._start_members()
@@ -890,7 +894,8 @@ class Averager:
             buffer = io.BytesIO()
             torch.save(self.state_dict(), buffer)
             payload = buffer.getvalue()
-        data, _ = relay_bytes([(source, rank) for rank in behind], payload, self._device, group=group)
+        data, size = relay_bytes([(source, rank) for rank in behind], payload, self._device, group=group)
+        self.state_traffic = Traffic(size, size * (len(behind) if mine == source else 1))
         if mine not in behind or data is None:
             return None
         state: dict[str, Any] = torch.load(io.BytesIO(data), map_location=self._device, weights_only=False)

@@ -125,7 +125,7 @@ class Membership:
         device: torch.device | str = "cpu",
         min_sites: int = 1,
         timeout: float = 30.0,
-        heartbeat_s: float = 1.0,
+        heartbeat_s: float = 0.5,
         run: str = "run",
         max_sites: int = 64,
     ) -> None:

@@ -28,7 +28,7 @@ def _membership(address: str, name: str, plan: dict[str, Any]) -> Membership:
         name,
         min_sites=plan.get("min_sites", 1),
         timeout=plan.get("timeout", 5.0),
-        heartbeat_s=0.2,
+        heartbeat_s=0.5,
         run=plan["run"],
     )
 

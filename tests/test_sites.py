@@ -225,6 +225,10 @@ def test_sites_removes_what_it_made_when_making_it_fails():
         (["--join-site", "1", "--join-at", "5"], "--join-site needs --launcher torchrun"),
         (["--join-site", "2", "--join-at", "5"], "--join-site must be a site in 1..1, got 2"),
         (["--launcher", "torchrun", "--join-site", "1", "--join-at", "0"], "--join-at must be > 0 seconds, got 0"),
+        (["--churn", "60:20"], "--churn needs --launcher live"),
+        (["--launcher", "live", "--churn", "20:60"], "--churn EVERY:DOWN needs 0 < DOWN < EVERY seconds, got 20:60"),
+        (["--launcher", "live", "--churn", "soon"], "argument --churn: 'soon' is not EVERY:DOWN in seconds"),
+        (["--launcher", "live", "--drop-site", "2", "--at", "5"], "--drop-site must be a site in 0..1, got 2"),
     ],
 )
 def test_bad_settings_are_one_line_and_exit_2(flags, message, capsys, tmp_path):
@@ -645,3 +649,56 @@ def test_torchrun_after_a_drop_the_world_shrinks_and_grows_back(elastic):
         f" run {elastic.wall_s:.1f} s"
     )
     assert leftovers(elastic.run_id) == []
+
+
+# --- live membership: every site a world of its own, the coordinator in a namespace of its own -----------------
+
+MEMBERSHIP_KEYS = [*LM_KEYS, "membership_wait_s", "process_start"]
+
+
+@pytest.fixture(scope="module")
+def live(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
+    """3 sites x 1 at 10 mbit, the LM example with streaming DiLoCo and fp8 rounds; site 0 (the first started)
+    is dropped once they train and started again a few seconds later. The times scale with how long the first
+    run's world took to form."""
+    formed = formed_after(runs["unlimited"])
+    at = round(max(10.0, 1.5 * formed + 4))
+    out = tmp_path_factory.mktemp("live") / "run"
+    flags = [
+        "--steps", "3500", "--batch-size", "2", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--eval-batches", "2", "--log-every", "1000", "--checkpoint-every", "0", "--period", "16",
+        "--warmup-steps", "0", "--outer", "nesterov", "--fragments", "2", "--overlap-steps", "2",
+        "--comm-dtype", "float8_e4m3fn", "--timeout", "20", "--min-sites", "3", "--out", str(out.parent / "site{site}"),
+    ]  # fmt: skip
+    options = {"sites": 3, "devices": 1, "bandwidth": "10mbit", "stream": False, "timeout": 240, "launcher": "live"}
+    return run_sites(ROOT / "examples" / "lm_fabric.py", flags, out=out, drop=Drop(0, at, at + 4), **options)
+
+
+def membership_lines(text: str) -> list[dict[str, str]]:
+    return [
+        dict(f.split("=", 1) for f in line.split()[1:]) for line in text.splitlines() if line.startswith("membership:")
+    ]
+
+
+def test_live_sites_train_on_when_the_first_site_is_lost_and_take_it_back(live):
+    """No site restarts but the dropped one; the survivors re-form the group within seconds, the returning site
+    joins them with the newest state, and all three end with the same model."""
+    assert live.code == 0 and live.codes == (0, 0, 0), report(live)
+    outputs = [out.read_text() for out, _ in live.logs]
+    finals = [parse_final_line(text, MEMBERSHIP_KEYS) for text in outputs]
+    assert {f["steps"] for f in finals} == {"3500"} and len({f["val_loss"] for f in finals}) == 1, finals
+    for site in (1, 2):
+        epochs = membership_lines(outputs[site])
+        first = epochs[0]["sites"].split(",")
+        survivors = ",".join(s for s in first if s != "0")
+        assert sorted(first) == ["0", "1", "2"]
+        assert [(e["sites"], e["left"], e["joined"]) for e in epochs[1:]] == [
+            (survivors, "0", "-"),
+            (f"{survivors},0", "-", "0"),
+        ], outputs[site][-3000:]
+        assert float(finals[site]["membership_wait_s"]) < 5.0
+        # the survivors' processes are the ones that started the run: one final line, one process start each
+        assert outputs[site].count("final:") == 1
+    assert "site 0 back at" in (live.out / "sites.log").read_text()
+    assert float(finals[0]["process_start"]) > live.started + live.back_at - 1  # site 0's second process ended it
+    assert leftovers(live.run_id) == []

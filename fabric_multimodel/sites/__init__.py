@@ -19,6 +19,14 @@ Each site runs ``fabric run --accelerator cpu --devices D --num-nodes S --node-r
 between the processes of one site goes to the site's own address, which the kernel routes over
 ``lo``: it never reaches the qdisc and is not limited (the tests measure both).
 
+``--launcher live`` starts every site as a ``fabric run`` world of its own instead, and the coordinator of
+a live membership (``python -m fabric_multimodel.coordinator``) in one more namespace, behind the same kind of
+link; the script gets ``--coordinator ADDRESS:PORT --site S``. Any site may then be dropped (``--drop-site 0``
+too), and ``--churn EVERY:DOWN`` drops them in turn while the others train on::
+
+    python -m fabric_multimodel.sites --sites 3 --devices 1 --bandwidth 10mbit --launcher live --churn 60:20 -- \
+        examples/lm_fabric.py --steps 20000 --period 128 --outer nesterov --min-sites 3
+
 The tool in its rooms, each needing only the standard library:
 
 - :mod:`~fabric_multimodel.sites.network`: the namespaces, the bridge, the ``tbf`` limits, the rates, a link's
@@ -48,6 +56,7 @@ from fabric_multimodel.sites.run import (
     FAILURE_GRACE_S,
     STOP_GRACE_S,
     TIMEOUT_CODE,
+    Churn,
     Drop,
     Join,
     SitesResult,
@@ -61,6 +70,7 @@ __all__ = [
     "RATE_FORMS",
     "STOP_GRACE_S",
     "TIMEOUT_CODE",
+    "Churn",
     "Drop",
     "Join",
     "Sites",

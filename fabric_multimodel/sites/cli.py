@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fabric_multimodel.sites.network import RATE_FORMS, SitesError, parse_rate
-from fabric_multimodel.sites.run import Drop, Join, SitesResult, Terminated, run_sites
+from fabric_multimodel.sites.run import Churn, Drop, Join, SitesResult, Terminated, run_sites
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,10 +39,16 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--bandwidth", type=_rate_argument, required=True, help=f"each link, each way: {RATE_FORMS}")
     p.add_argument("--out", type=Path, help="a new folder for the sites' logs (default: runs/sites/<run id>)")
     p.add_argument(
-        "--launcher", choices=["fabric", "torchrun"], default="fabric", help="`fabric run` (default) or torchrun"
+        "--launcher",
+        choices=["fabric", "torchrun", "live"],
+        default="fabric",
+        help="`fabric run` (default) or torchrun, the sites one world; live: every site a `fabric run` world of its"
+        " own, joined through a coordinator in a namespace of its own (the script gets --coordinator and --site)",
     )
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun's worker group restarts (default 3)")
-    p.add_argument("--drop-site", type=int, help="kill this site (1..S-1) --at seconds after the scripts started")
+    p.add_argument(
+        "--drop-site", type=int, help="kill this site (1..S-1; live: any) --at seconds after the scripts started"
+    )
     p.add_argument("--at", type=float, help="when to drop the site, in seconds")
     p.add_argument("--back", type=float, help="when to start the dropped site again, in seconds")
     p.add_argument("--join-site", type=int, help="start this site (1..S-1) --join-at seconds after the others")
@@ -54,6 +60,12 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         default=[],
         metavar="SITE:SHARE",
         help="run SITE's processes with SHARE (0.01..1) of one core each, a slower site (repeatable)",
+    )
+    p.add_argument(
+        "--churn",
+        type=_churn,
+        metavar="EVERY:DOWN",
+        help="live: every EVERY seconds kill the next site (round robin, site 0 first), back DOWN seconds later",
     )
     p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")
@@ -70,6 +82,16 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     if (args.join_site is None) != (args.join_at is None):
         p.error("--join-site and --join-at go together: --join-site SITE --join-at SECONDS")
     return args
+
+
+def _churn(text: str) -> Churn:
+    every, colon, down = text.partition(":")
+    try:
+        if not colon:
+            raise ValueError
+        return Churn(float(every), float(down))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not EVERY:DOWN in seconds, as in 60:20") from None
 
 
 def _cpu_share(text: str) -> tuple[int, float]:
@@ -99,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             launcher=args.launcher,
             drop=drop,
             join=join,
+            churn=args.churn,
             cpu=dict(args.cpu),
             timeout=args.timeout,
             port=args.port,

@@ -59,6 +59,8 @@ def site_command(
     """The command that starts site ``site``'s launcher inside its namespace.
 
     ``fabric``: node ``site`` of a static ``fabric run`` world whose main address is site 0's.
+    ``live``: a ``fabric run`` world of the site's own, whose script joins the others through the coordinator in
+    the last namespace (``--coordinator ADDRESS:PORT --site S`` after the script's own arguments).
     ``torchrun``: an elastic agent (1..S nodes) of a c10d rendezvous that site 0's agent hosts; each agent
     names its own address (the machine's hostname resolves to nothing inside a site). With ``RDZV_CONF``, a
     lost site's heartbeats are missed after 3 s and a smaller world forms 3 s later (the last call, which also
@@ -71,6 +73,11 @@ def site_command(
     """
     main = sites.addresses[0]
     python = [*sites.exec_prefix(site), sys.executable]
+    if launcher == "live":  # a world of its own, joined to the others through the coordinator
+        return [
+            *python, "-m", FABRIC_CLI, "--accelerator", "cpu", "--devices", str(devices), "--main-port", str(port),
+            str(script), *args, "--coordinator", f"{sites.addresses[-1]}:{port}", "--site", str(site),
+        ]  # fmt: skip
     if launcher == "fabric":
         return [
             *python, "-m", FABRIC_CLI, "--accelerator", "cpu", "--devices", str(devices),
@@ -86,7 +93,7 @@ def site_command(
             "--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items()), "--local-addr", sites.addresses[site],
             "--max-restarts", str(max_restarts), str(script), *args,
         ]  # fmt: skip
-    raise SitesError(f"--launcher must be fabric or torchrun, got {launcher!r}")
+    raise SitesError(f"--launcher must be fabric, torchrun or live, got {launcher!r}")
 
 
 def site_environment(run_id: str, launcher: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -123,12 +130,28 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-class Launcher:
-    """One site's launcher: started, restarted, watched and ended; output in ``<out>/site<r>.out`` / ``.err``."""
+def coordinator_command(sites: Sites, port: int) -> list[str]:
+    """``--live``: the coordinator, in the last namespace (a host of its own, outside every site)."""
+    return [
+        *sites.exec_prefix(sites.count - 1),
+        sys.executable,
+        "-m",
+        "fabric_multimodel.coordinator",
+        "--port",
+        str(port),
+    ]
 
-    def __init__(self, index: int, command: list[str], env: dict[str, str], out: Path, echo: bool) -> None:
+
+class Launcher:
+    """One site's launcher: started, restarted, watched and ended; output in ``<out>/<name>.out`` / ``.err`` (the
+    name is ``site<r>`` by default)."""
+
+    def __init__(
+        self, index: int, command: list[str], env: dict[str, str], out: Path, echo: bool, name: str | None = None
+    ) -> None:
         self.index, self.command, self.env, self.echo = index, command, env, echo
-        self.logs = (out / f"site{index}.out", out / f"site{index}.err")
+        name = name or f"site{index}"
+        self.logs = (out / f"{name}.out", out / f"{name}.err")
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
         self.ended_at: float | None = None  # time.monotonic() when the launcher was seen to have exited

@@ -31,7 +31,14 @@ from fabric_multimodel.sites.network import (
     parse_rate,
     probe_kernel,
 )
-from fabric_multimodel.sites.processes import STDOUT, Launcher, shell_code, site_command, site_environment
+from fabric_multimodel.sites.processes import (
+    STDOUT,
+    Launcher,
+    coordinator_command,
+    shell_code,
+    site_command,
+    site_environment,
+)
 
 FAILURE_GRACE_S = 2.0  # after a site fails, how long the others may take to fail on their own
 STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL after this long
@@ -82,12 +89,15 @@ class Drop:
     at: float
     back: float | None = None
 
-    def check(self, sites: int) -> None:
-        """Raise ``SitesError`` unless this drop fits a run of ``sites`` sites."""
-        if not 1 <= self.site <= sites - 1:
+    def check(self, sites: int, launcher: str = "fabric") -> None:
+        """Raise ``SitesError`` unless this drop fits a run of ``sites`` sites started by ``launcher``."""
+        if launcher == "live" and not 0 <= self.site <= sites - 1:
+            raise SitesError(f"--drop-site must be a site in 0..{sites - 1}, got {self.site}")
+        if launcher != "live" and not 1 <= self.site <= sites - 1:
             span = f"1..{sites - 1}" if sites > 1 else "none with one site"
             raise SitesError(
                 f"--drop-site must be a site in {span}, got {self.site}: site 0 hosts the main address and rendezvous"
+                " (with --launcher live, any site may be dropped)"
             )
         if not self.at > 0:
             raise SitesError(f"--at must be > 0 seconds, got {self.at}")
@@ -109,10 +119,28 @@ class Join:
             raise SitesError(f"--join-site must be a site in 1..{max(sites - 1, 1)}, got {self.site}")
         if not self.at > 0:
             raise SitesError(f"--join-at must be > 0 seconds, got {self.at}")
-        if launcher != "torchrun":
-            raise SitesError("--join-site needs --launcher torchrun: a static `fabric run` world cannot grow")
+        if launcher == "fabric":
+            raise SitesError("--join-site needs --launcher torchrun or live: a static `fabric run` world cannot grow")
         if drop is not None and drop.site == self.site:
             raise SitesError(f"--join-site {self.site} is the --drop-site too; join and drop different sites")
+
+
+@dataclass(frozen=True)
+class Churn:
+    """``--launcher live``: every ``every`` seconds kill the next site (round robin, site 0 first) and start it
+    again ``down`` seconds later."""
+
+    every: float
+    down: float
+
+    def check(self, launcher: str, drop: Drop | None, join: Join | None) -> None:
+        """Raise ``SitesError`` unless this churn fits the run."""
+        if launcher != "live":
+            raise SitesError("--churn needs --launcher live: only live sites may come and go while the others train")
+        if not (self.every > 0 and 0 < self.down < self.every):
+            raise SitesError(f"--churn EVERY:DOWN needs 0 < DOWN < EVERY seconds, got {self.every:g}:{self.down:g}")
+        if drop is not None or join is not None:
+            raise SitesError("--churn drops and starts sites itself: leave out --drop-site and --join-site")
 
 
 @dataclass(frozen=True)
@@ -126,7 +154,8 @@ class SitesResult:
     code), 124 after the timeout. ``started``: when the scripts started (``time.time()``); ``wall_s``, ``ended``
     (when each site's launcher was seen to exit, the last time it ran), ``dropped_at`` and ``back_at`` (when
     ``drop`` happened) and ``joined_at`` (when ``join``'s site started) count from then. ``stopped``: the sites
-    the tool ended after another one failed, or at the timeout.
+    the tool ended after another one failed, or at the timeout. ``churned``: with ``churn``, each site killed,
+    when, and when it was started again (None: not again).
     """
 
     run_id: str
@@ -144,6 +173,7 @@ class SitesResult:
     stopped: tuple[int, ...] = ()
     timed_out: bool = False
     joined_at: float | None = None
+    churned: tuple[tuple[int, float, float | None], ...] = ()
 
 
 def run_sites(
@@ -157,6 +187,7 @@ def run_sites(
     launcher: str = "fabric",
     drop: Drop | None = None,
     join: Join | None = None,
+    churn: Churn | None = None,
     cpu: Mapping[int, float] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
@@ -176,7 +207,10 @@ def run_sites(
     setting or precondition that stops it before anything is made. ``cpu`` (``{site: share}``) runs each of those
     sites' processes with ``share`` of one core (a cgroup quota, see :mod:`~fabric_multimodel.sites.cpu`), said in
     the first line and removed at the end. ``{site}`` in ``args`` becomes each site's index (``--out
-    runs/x/site{site}``: a folder per site, as sites without a shared disk have).
+    runs/x/site{site}``: a folder per site, as sites without a shared disk have). ``launcher="live"``: every site
+    is a ``fabric run`` world of its own, and the coordinator (``python -m fabric_multimodel.coordinator``) runs
+    in a namespace of its own behind the same kind of link; the script gets ``--coordinator ADDRESS:PORT --site
+    S`` after ``args``; any site may be dropped, and ``churn`` drops them in turn.
 
     Example::
 
@@ -188,19 +222,21 @@ def run_sites(
             bits = parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth
         except ValueError as error:
             raise SitesError(f"--bandwidth {error}") from None
-        if launcher not in ("fabric", "torchrun"):
-            raise SitesError(f"--launcher must be fabric or torchrun, got {launcher!r}")
+        if launcher not in ("fabric", "torchrun", "live"):
+            raise SitesError(f"--launcher must be fabric, torchrun or live, got {launcher!r}")
         if drop is not None:
-            drop.check(sites)
+            drop.check(sites, launcher)
         if join is not None:
             join.check(sites, launcher, drop)
+        if churn is not None:
+            churn.check(launcher, drop, join)
         cpu = dict(cpu or {})
         for site, share in cpu.items():
             check_share(site, share, sites)
         problem = preconditions(script, sites, devices) or (cpu_controller_problem() if cpu else None)
         if problem:
             raise SitesError(problem)
-        net = Sites(sites, bits)
+        net = Sites(sites + (launcher == "live"), bits)  # live: the coordinator's host is the last namespace
         folder = Path(out) if out is not None else Path("runs") / "sites" / net.run_id
         if folder.exists():
             raise SitesError(f"{folder} exists already: give --out a new folder")
@@ -212,7 +248,7 @@ def run_sites(
             for limit in limits.values():
                 limit.create()
             measured = measure_link(net) if sites > 1 else None
-            say(_link_line(net, devices, measured, limits))
+            say(_link_line(net, sites, devices, measured, limits))
             environment = site_environment(net.run_id, launcher, env)
             options: dict[str, Any] = {"sites": net, "devices": devices, "port": port, "max_restarts": max_restarts}
             commands = []
@@ -221,9 +257,13 @@ def run_sites(
                 prefix = limits[r].prefix() if r in limits else []
                 commands.append([*prefix, *site_command(launcher, script, own, site=r, **options)])
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
-            run = _Run(net, launchers)
+            coordinator = None
+            if launcher == "live":
+                command = coordinator_command(net, port)
+                coordinator = Launcher(sites, command, environment, folder, echo=False, name="coordinator")
+            run = _Run(net, launchers, coordinator)
             try:
-                run.watch(drop, join, timeout, say)
+                run.watch(drop, join, timeout, say, churn)
             finally:
                 with _signals_held():
                     run.end()
@@ -235,8 +275,10 @@ def run_sites(
         return run.result(measured, folder, drop)
 
 
-def _link_line(net: Sites, devices: int, measured: float | None, limits: Mapping[int, SiteCpu]) -> str:
-    head = f"sites: run {net.run_id}: {net.count} x {devices} processes, link {format_rate(net.bits)} each way"
+def _link_line(net: Sites, sites: int, devices: int, measured: float | None, limits: Mapping[int, SiteCpu]) -> str:
+    head = f"sites: run {net.run_id}: {sites} x {devices} processes, link {format_rate(net.bits)} each way"
+    if sites < net.count:
+        head += f", the coordinator at {net.addresses[-1]}"
     slower = "".join(f"; site {site} at {limit}" for site, limit in limits.items())
     if measured is None:
         return f"{head}; one site: no link to measure{slower}"
@@ -247,8 +289,9 @@ def _link_line(net: Sites, devices: int, measured: float | None, limits: Mapping
 class _Run:
     """The sites' launchers from start to end: the failure, drop and timeout rules of ``run_sites``."""
 
-    def __init__(self, net: Sites, sites: list[Launcher]) -> None:
-        self.net, self.sites = net, sites
+    def __init__(self, net: Sites, sites: list[Launcher], coordinator: Launcher | None = None) -> None:
+        self.net, self.sites, self.coordinator = net, sites, coordinator
+        self.churned: list[list[Any]] = []  # [site, killed at, started again at]
         self.start, self.started = time.monotonic(), time.time()
         self.dropped_at: float | None = None
         self.back_at: float | None = None
@@ -259,9 +302,18 @@ class _Run:
     def elapsed(self) -> float:
         return time.monotonic() - self.start
 
-    def watch(self, drop: Drop | None, join: Join | None, timeout: float | None, say: Callable[[str], None]) -> None:
+    def watch(
+        self,
+        drop: Drop | None,
+        join: Join | None,
+        timeout: float | None,
+        say: Callable[[str], None],
+        churn: Churn | None = None,
+    ) -> None:
         """Start every site (``join``'s later) and watch them until all have ended, dropping and restarting as
-        ``drop`` says."""
+        ``drop`` and ``churn`` say."""
+        if self.coordinator is not None:
+            self.coordinator.start()
         self.start, self.started = time.monotonic(), time.time()
         for site in self.sites:
             if join is None or site.index != join.site:
@@ -276,6 +328,8 @@ class _Run:
                 break
             if drop is not None and failed_at is None:
                 self._drop(drop, now, say)
+            if churn is not None and failed_at is None:
+                self._churn(churn, now, say)
             if join is not None and self.joined_at is None and now >= join.at and failed_at is None:
                 self.joined_at = now
                 self.sites[join.site].start()
@@ -307,6 +361,22 @@ class _Run:
             site.start()
             say(f"sites: site {drop.site} back at {now:.1f} s (same namespace and node rank)")
 
+    def _churn(self, churn: Churn, now: float, say: Callable[[str], None]) -> None:
+        for entry in self.churned:
+            site = self.sites[entry[0]]
+            if entry[2] is None and now >= entry[1] + churn.down and any(s.running() for s in self.sites):
+                entry[2] = now
+                site.start()
+                say(f"sites: site {site.index} back at {now:.1f} s")
+        if now >= (len(self.churned) + 1) * churn.every:
+            site = self.sites[len(self.churned) % len(self.sites)]
+            self.churned.append([site.index, now, None])
+            if site.running():
+                site.dropped = True
+                kill_namespace(self.net.namespaces[site.index])
+                site.finish()
+                say(f"sites: dropped site {site.index} at {now:.1f} s (churn; back in {churn.down:g} s)")
+
     def stop(self, sites: list[Launcher]) -> None:
         """SIGTERM the launchers (torch elastic then stops its workers), SIGKILL what is left after the grace."""
         for site in sites:
@@ -321,10 +391,13 @@ class _Run:
             site.finish()
 
     def end(self) -> None:
-        """Whatever happened: stop what still runs and collect every launcher."""
+        """Whatever happened: stop what still runs (the coordinator last) and collect every launcher."""
         self.stop([s for s in self.sites if s.running()])
         for site in self.sites:
             site.finish()
+        if self.coordinator is not None:
+            self.stop([self.coordinator] if self.coordinator.running() else [])
+            self.coordinator.finish()
         self.wall_s = self.wall_s or self.elapsed()
 
     def result(self, measured: float | None, out: Path, drop: Drop | None) -> SitesResult:
@@ -345,6 +418,7 @@ class _Run:
             stopped=tuple(s.index for s in self.sites if s.stopped),
             timed_out=self.timed_out,
             joined_at=self.joined_at,
+            churned=tuple((site, down, back) for site, down, back in self.churned),
         )
 
 
