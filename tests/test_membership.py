@@ -6,16 +6,18 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_multimodel import Averager
+from fabric_multimodel.collectives import POLL_S, wait_all
 from fabric_multimodel.launch import free_port, process_context
 from fabric_multimodel.membership import Membership, _Decision, site_of
 from tests.membership_sites import averaging_site, counting_site
@@ -179,3 +181,43 @@ def test_a_decision_reads_back_as_written(members: list[tuple[str, int]], seen: 
     decision = _Decision(tuple(f"{site}#{n}" for site, n in members), seen)
     assert _Decision.decode(decision.encode().encode()) == decision
     assert [site_of(token) for token in decision.members] == [site for site, _ in members]
+
+
+class _Pending:
+    """A collective's handle that finishes after ``polls`` looks (or never), as gloo's does while a peer is away."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls, self.waited = polls, False
+
+    def is_completed(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        self.waited = True
+        return True
+
+
+@settings(max_examples=6)  # each example waits up to a few POLL_S
+@given(polls=st.integers(0, 10), told_after=st.integers(0, 2))
+def test_a_wait_ends_when_its_collective_does_or_once_told_to_abandon_it(polls: int, told_after: int) -> None:
+    """wait_all asks ``abandon`` only while a handle is unfinished, at most every POLL_S, and then stops waiting."""
+    asked = []
+
+    def abandon() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) > told_after
+
+    done = _Pending(polls)
+    wait_all([done], lambda: False)  # however long it takes, a wait nobody abandons ends with its collective
+    assert done.waited
+    stuck = _Pending(None)
+    start = time.monotonic()
+    asked.clear()
+    with pytest.raises(RuntimeError, match="abandoned"):
+        wait_all([stuck], abandon)
+    assert not stuck.waited and len(asked) == told_after + 1
+    assert time.monotonic() - start >= told_after * POLL_S
+    assert all(b - a >= POLL_S * 0.9 for a, b in itertools.pairwise(asked))

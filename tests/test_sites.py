@@ -217,7 +217,7 @@ def test_sites_removes_what_it_made_when_making_it_fails():
         (["--drop-site", "2", "--at", "5"], "--drop-site must be a site in 1..1, got 2"),
         (["--drop-site", "1", "--at", "5", "--back", "5"], "--back must be later than --at (5.0), got 5.0"),
         (["--drop-site", "1"], "--drop-site needs --at SECONDS"),
-        (["--at", "3"], "--at and --back need --drop-site"),
+        (["--at", "3"], "--at, --back and --seen need --drop-site"),
         (["--join-site", "1"], "--join-site and --join-at go together"),
         (["--cpu", "2:0.5"], "--cpu 2:0.5: the site must be in 0..1"),
         (["--cpu", "1:1.5"], "--cpu 1:1.5: the share must be in 0.01..1 (of one core per process)"),
@@ -657,21 +657,19 @@ MEMBERSHIP_KEYS = [*LM_KEYS, "membership_wait_s", "process_start"]
 
 
 @pytest.fixture(scope="module")
-def live(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
-    """3 sites x 1 at 10 mbit, the LM example with streaming DiLoCo and fp8 rounds; site 0 (the first started)
-    is dropped once they train and started again a few seconds later. The times scale with how long the first
-    run's world took to form."""
-    formed = formed_after(runs["unlimited"])
-    at = round(max(10.0, 1.5 * formed + 4))
+def live(tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
+    """3 sites x 1 at 10 mbit, the LM example with streaming DiLoCo and fp8 rounds; site 0 is dropped once the
+    three train together (its first `membership:` line) and started again 4 s later."""
     out = tmp_path_factory.mktemp("live") / "run"
     flags = [
-        "--steps", "3500", "--batch-size", "2", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--steps", "3000", "--batch-size", "2", "--d-model", "32", "--layers", "1", "--heads", "2",
         "--eval-batches", "2", "--log-every", "1000", "--checkpoint-every", "0", "--period", "16",
         "--warmup-steps", "0", "--outer", "nesterov", "--fragments", "2", "--overlap-steps", "2",
         "--comm-dtype", "float8_e4m3fn", "--timeout", "20", "--min-sites", "3", "--out", str(out.parent / "site{site}"),
     ]  # fmt: skip
     options = {"sites": 3, "devices": 1, "bandwidth": "10mbit", "stream": False, "timeout": 240, "launcher": "live"}
-    return run_sites(ROOT / "examples" / "lm_fabric.py", flags, out=out, drop=Drop(0, at, at + 4), **options)
+    drop = Drop(0, at=1.0, back=5.0, seen="membership: epoch=1")
+    return run_sites(ROOT / "examples" / "lm_fabric.py", flags, out=out, drop=drop, **options)
 
 
 def membership_lines(text: str) -> list[dict[str, str]]:
@@ -686,7 +684,7 @@ def test_live_sites_train_on_when_the_first_site_is_lost_and_take_it_back(live):
     assert live.code == 0 and live.codes == (0, 0, 0), report(live)
     outputs = [out.read_text() for out, _ in live.logs]
     finals = [parse_final_line(text, MEMBERSHIP_KEYS) for text in outputs]
-    assert {f["steps"] for f in finals} == {"3500"} and len({f["val_loss"] for f in finals}) == 1, finals
+    assert {f["steps"] for f in finals} == {"3000"} and len({f["val_loss"] for f in finals}) == 1, finals
     for site in (1, 2):
         epochs = membership_lines(outputs[site])
         first = epochs[0]["sites"].split(",")

@@ -51,6 +51,11 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--at", type=float, help="when to drop the site, in seconds")
     p.add_argument("--back", type=float, help="when to start the dropped site again, in seconds")
+    p.add_argument(
+        "--seen",
+        metavar="TEXT",
+        help="with --drop-site: drop it only once its output holds TEXT too (then --back counts from the drop)",
+    )
     p.add_argument("--join-site", type=int, help="start this site (1..S-1) --join-at seconds after the others")
     p.add_argument("--join-at", type=float, help="when the late site starts, in seconds (torchrun)")
     p.add_argument(
@@ -75,8 +80,8 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     if not argv[split + 1 :]:
         p.error("give the script after --, as in: --sites 2 --devices 1 --bandwidth 10mbit -- train.py ARGS")
     args.script, args.args = argv[split + 1], argv[split + 2 :]
-    if (args.at is not None or args.back is not None) and args.drop_site is None:
-        p.error("--at and --back need --drop-site")
+    if (args.at is not None or args.back is not None or args.seen is not None) and args.drop_site is None:
+        p.error("--at, --back and --seen need --drop-site")
     if args.drop_site is not None and args.at is None:
         p.error("--drop-site needs --at SECONDS")
     if (args.join_site is None) != (args.join_at is None):
@@ -108,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line: run the sites, return the worst site's exit code (2: a bad setting, 124: timed out,
     130: Ctrl-C, 143: SIGTERM)."""
     args = parse_arguments(sys.argv[1:] if argv is None else argv)
-    drop = Drop(args.drop_site, args.at, args.back) if args.drop_site is not None else None
+    drop = Drop(args.drop_site, args.at, args.back, args.seen) if args.drop_site is not None else None
     join = Join(args.join_site, args.join_at) if args.join_site is not None else None
     try:
         result = run_sites(

@@ -83,11 +83,14 @@ def preconditions(script: str | Path, sites: int, devices: int) -> str | None:
 @dataclass(frozen=True)
 class Drop:
     """Kill site ``site`` (SIGKILL to its launcher and workers) ``at`` seconds after the scripts started, and
-    with ``back``, start it again at that time (same namespace and node rank)."""
+    with ``back``, start it again at that time (same namespace and node rank). With ``seen``, the kill waits until
+    the site's output holds that text too, and ``back`` then counts from the kill (``back - at`` seconds later): a
+    drop at a point of the script's own, on a machine whose speed varies."""
 
     site: int
     at: float
     back: float | None = None
+    seen: str | None = None
 
     def check(self, sites: int, launcher: str = "fabric") -> None:
         """Raise ``SitesError`` unless this drop fits a run of ``sites`` sites started by ``launcher``."""
@@ -348,18 +351,22 @@ class _Run:
 
     def _drop(self, drop: Drop, now: float, say: Callable[[str], None]) -> None:
         site = self.sites[drop.site]
-        if self.dropped_at is None and now >= drop.at and site.running():
+        if self.dropped_at is None and now >= drop.at and site.running() and _holds(site.logs[0], drop.seen):
             self.dropped_at = now
             site.dropped = True
             kill_namespace(self.net.namespaces[drop.site])
             site.finish()
             say(f"sites: dropped site {drop.site} at {now:.1f} s (SIGKILL to its launcher and workers)")
-        elif drop.back is not None and self.dropped_at is not None and self.back_at is None and now >= drop.back:
+        elif drop.back is not None and self.dropped_at is not None and self.back_at is None and now >= self._back(drop):
             self.back_at = now
             with site.logs[0].open("a") as log:
                 log.write(f"sites: started again at {now:.1f} s\n")
             site.start()
             say(f"sites: site {drop.site} back at {now:.1f} s (same namespace and node rank)")
+
+    def _back(self, drop: Drop) -> float:
+        assert drop.back is not None and self.dropped_at is not None
+        return drop.back if drop.seen is None else self.dropped_at + drop.back - drop.at
 
     def _churn(self, churn: Churn, now: float, say: Callable[[str], None]) -> None:
         for entry in self.churned:
@@ -420,6 +427,16 @@ class _Run:
             joined_at=self.joined_at,
             churned=tuple((site, down, back) for site, down, back in self.churned),
         )
+
+
+def _holds(log: Path, text: str | None) -> bool:
+    """True when ``text`` is None or in ``log`` (read whole: a site's stdout, small)."""
+    if text is None:
+        return True
+    try:
+        return text in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _teller(stream: bool, log: Path) -> Callable[[str], None]:
