@@ -97,6 +97,8 @@ def live_run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
         arrived = [e for e in _membership(texts[drop.site]) if e["time"] > back]
         if arrived:
             row["received_mb"] = arrived[0]["state_bytes"] / 1e6
+            started = float(parse_final_line(texts[drop.site], MEMBERSHIP_KEYS)["process_start"])
+            row["start_to_training_s"] = arrived[0]["time"] - started  # its own process: imports, data, model, join
     return row
 
 
@@ -149,7 +151,8 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
         killed = result.started + result.dropped_at
         failures = [_agent_time(m.group(1), killed) for line in err.splitlines() if (m := AGENT_FAILED.match(line))]
         detected = next((t for t in failures if t >= killed), None)
-        again = next(((s, w, t) for s, w, t in resumes if t > killed and w == args.devices), None)
+        sites = 3 if args.live else 2
+        again = next(((s, w, t) for s, w, t in resumes if t > killed and w == (sites - 1) * args.devices), None)
         failed_at = [int(s) for s in FAILED_ROUND.findall(out + err)]
         row.update(
             killed_after_s=result.dropped_at,
@@ -161,10 +164,10 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
         )
         if again and failed_at:
             row["steps_lost"] = failed_at[0] - again[0]
-        grown = next(((s, w, t) for s, w, t in resumes if t > killed and w == 2 * args.devices), None)
+        grown = next(((s, w, t) for s, w, t in resumes if t > killed and w == sites * args.devices), None)
         if grown and result.back_at is not None:
             row["back_to_training_s"] = grown[2] - (result.started + result.back_at)
-        row.update(_phases(result.logs[1][0], 2 * args.devices))
+        row.update(_phases(result.logs[drop.site][0], sites * args.devices))
     return row
 
 
@@ -318,6 +321,7 @@ def print_live(args: Any, at: float, back: float, rows: list[dict[str, Any]], in
         ("kill -> survivors training again, s", "kill_to_training_s", "{:.1f}"),
         ("steps lost", "steps_lost", "{:g}"),
         ("site back -> training with all 3, s", "back_to_training_s", "{:.1f}"),
+        ("  of which its process's start -> in the epoch, s", "start_to_training_s", "{:.1f}"),
         ("MB the returning site received", "received_mb", "{:.2f}"),
         ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),
     ]

@@ -48,9 +48,18 @@ def _start(target: Any, address: str, name: str, plan: dict[str, Any], queue: An
 def _run_sites(
     target: Any, address: str, plans: dict[str, dict[str, Any]], joiner: tuple[str, dict[str, Any]], lost: str
 ) -> dict[str, Any]:
-    """Start the sites of ``plans``; once ``lost`` reported its last round, start ``joiner``; collect every report."""
+    """Start the sites of ``plans`` one after the other, each once the one before has registered (so that the first
+    is rank 0 of the first epoch); once ``lost`` reported its last round, start ``joiner``; collect every report."""
     queue = process_context().Queue()
-    procs = [_start(target, address, name, plan, queue) for name, plan in plans.items()]
+    host, port = address.rsplit(":", 1)
+    run = next(iter(plans.values()))["run"]
+    store = dist.PrefixStore(f"{run}/", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False))
+    procs = []
+    for registered, (name, plan) in enumerate(plans.items(), start=1):
+        procs.append(_start(target, address, name, plan, queue))
+        deadline = time.monotonic() + 60
+        while store.add("joins", 0) < registered and time.monotonic() < deadline:
+            time.sleep(0.02)
     reports: dict[str, Any] = {}
     try:
         while lost not in reports:
@@ -70,8 +79,10 @@ def _run_sites(
     return reports
 
 
-@pytest.mark.parametrize("lost", ["a", "c"])  # a: the first site started, rank 0 of the first epoch
-def test_sites_agree_on_each_epoch_through_a_loss_and_a_join(coordinator: str, lost: str) -> None:
+def test_sites_agree_on_each_epoch_through_a_loss_and_a_join(coordinator: str) -> None:
+    """Site a, the first to register and so rank 0 of the first epoch, is lost; then d registers. (The live LM run
+    in test_sites.py loses another rank, where a survivor waits on the other survivor: the abandoned wait.)"""
+    lost = "a"
     run = f"count{next(_runs)}"
     values = {"a": 1.0, "b": 2.0, "c": 4.0}
     plans = {
@@ -82,7 +93,7 @@ def test_sites_agree_on_each_epoch_through_a_loss_and_a_join(coordinator: str, l
 
     survivors = sorted(set(values) - {lost})
     lost_rounds, _ = reports[lost]
-    assert {(e, tuple(sorted(s)), t) for e, s, t in lost_rounds} == {(1, ("a", "b", "c"), 7.0)}
+    assert {(e, s, t) for e, s, t in lost_rounds} == {(1, ("a", "b", "c"), 7.0)}  # a, b, c: in the order they came
     for name in survivors:
         rounds, waited = reports[name]
         epochs = [k for k, _ in itertools.groupby((e, tuple(sorted(s)), t) for e, s, t in rounds)]
