@@ -52,10 +52,7 @@ MEMBERSHIP_KEYS = [*common.LM_KEYS, "membership_wait_s", "process_start"]
 
 def live_run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
     """A live-membership run of 3 sites x 1 (``--launcher live``), and what its ``membership:`` lines say."""
-    folder = args.out / f"{NAME}_runs" / label
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+    folder = fresh_folder(args, label)
     script = [
         "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "0", "--outer", "nesterov",
         "--checkpoint-every", "0", "--timeout", "60", "--min-sites", "3", "--out", str(folder / "site{site}"),
@@ -112,11 +109,17 @@ def _membership(text: str) -> list[dict[str, Any]]:
     return lines
 
 
-def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> dict[str, Any]:
+def fresh_folder(args: Any, label: str) -> Path:
+    """The run's folder, emptied."""
     folder = args.out / f"{NAME}_runs" / label
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
+    return folder
+
+
+def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> dict[str, Any]:
+    folder = fresh_folder(args, label)
     script = [
         "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "20", "--outer", "nesterov",
         "--checkpoint-rounds", "--resume", "auto", "--checkpoint-every", "0", "--timeout", "60",
