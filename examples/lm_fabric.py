@@ -488,6 +488,8 @@ def train(args: argparse.Namespace) -> int | None:
             if averager is not None:
                 averager.step()
                 epoch_seen = report_membership(fabric, averager, epoch_seen)
+                if averager.membership is not None:  # a survivor that missed a round takes the others' step
+                    step = averager.steps
                 if step == args.warmup_steps:
                     warmup_ended(fabric, averager, args, total, progress)
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
