@@ -64,8 +64,8 @@ from fabric_multimodel.collectives import (
     wait_all,
 )
 
-#: The packed 4-bit dtype; None on a torch that predates it (fp8 still works there).
-FLOAT4_E2M1 = getattr(torch, "float4_e2m1fn_x2", None)
+#: The packed 4-bit dtype (every torch pyproject.toml admits has it).
+FLOAT4_E2M1 = torch.float4_e2m1fn_x2
 
 #: One scale per block, in this dtype (chosen by measurement: benchmarks/quantized_cost.py).
 SCALE_DTYPE = torch.bfloat16
@@ -95,9 +95,8 @@ class _Format(NamedTuple):
 _FORMATS: dict[torch.dtype, _Format] = {
     torch.float8_e4m3fn: _Format(448.0, 16.0, 8),
     torch.float8_e5m2: _Format(57344.0, 4096.0, 8),
+    FLOAT4_E2M1: _Format(6.0, 1.0, 4),
 }
-if FLOAT4_E2M1 is not None:
-    _FORMATS[FLOAT4_E2M1] = _Format(6.0, 1.0, 4)
 
 #: The code dtypes a :class:`QuantizedMean` (and :func:`quantize`) accepts.
 CODE_DTYPES = tuple(_FORMATS)
@@ -624,8 +623,7 @@ def _format(code_dtype: Any, caller: str) -> _Format:
     fmt = _FORMATS.get(code_dtype) if isinstance(code_dtype, torch.dtype) else None
     if fmt is None:
         names = ", ".join(f"torch.{str(d).removeprefix('torch.')}" for d in CODE_DTYPES)
-        missing = "" if FLOAT4_E2M1 is not None else " (this torch has no float4_e2m1fn_x2)"
-        raise TypeError(f"{caller}: `code_dtype` must be one of {names}{missing}; got {code_dtype!r}.")
+        raise TypeError(f"{caller}: `code_dtype` must be one of {names}; got {code_dtype!r}.")
     return fmt
 
 
