@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fabric_multimodel.collectives import ProcessGroup, extremes, group_size
+from fabric_multimodel.cost_model import period_for
 
 #: The share of the compute time that rounds may add: a period whose rounds wait longer is too short.
 TOLERANCE = 0.05
@@ -84,8 +85,10 @@ def choose_period(
 
     A period of ``p`` steps computes for ``p * step_s`` and holds ``fragments`` rounds of ``round_s`` each. A
     blocking round (``overlap_steps=0``) waits all of ``round_s``; an overlapped one only what does not fit in
-    its ``overlap_steps`` steps, and the link carries one round at a time, so a fragment's round must also end
-    before the next fragment's launch (``p / fragments`` steps later).
+    its ``overlap_steps`` steps (it is waited for at its merge, so the next fragment's round never shares the
+    link with it). The arithmetic is the cost model's
+    (:func:`~fabric_multimodel.cost_model.period_for`, which ``python -m fabric_multimodel.plan`` uses too), fed
+    with what was measured.
 
     Example::
 
@@ -97,11 +100,7 @@ def choose_period(
             f" {tolerance}."
         )
     waited = max(0.0, round_s - overlap_steps * step_s)
-    steps = fragments * waited / (tolerance * step_s)
-    if overlap_steps:
-        steps = max(steps, fragments * round_s / step_s)
-    # A relative margin: an absolute one misjudges millions of steps (a float's last bits decide there).
-    return max(shortest_period(fragments, overlap_steps), fragments * math.ceil(steps / fragments / (1 + 1e-9)))
+    return period_for(step_s, waited, fragments, overlap_steps, target=1 / (1 + tolerance))
 
 
 def shortest_period(fragments: int, overlap_steps: int) -> int:
