@@ -10,17 +10,27 @@ site rejoined (and where the rejoining site's start went, phase by phase), and t
 by side. With ``--join-at``, no site is dropped: a third site starts that many seconds in and joins the run.
 
 With ``--live``, the same drop twice more beside the torchrun runs, in live membership (``--launcher live``:
-3 sites of one process, each a world of its own, the coordinator in a namespace of its own): an uninterrupted
+``--sites`` sites (3) of ``--devices`` processes (1; 2: islands, DDP inside each site), each a world of its own, the
+coordinator in a namespace of its own): an uninterrupted
 live run and one in which the same site is killed and started again. Read from the examples' ``membership:``
 lines: the kill to the survivors' next epoch (training again, no process restarted), the return to the epoch
 that takes the site back, the state it received, and the survivors' ``membership_wait_s``. ``--drop-site 0``
 drops the first site (live runs only: torchrun's site 0 hosts its rendezvous).
+
+With ``--churn EVERY:DOWN`` (3 sites x 1, 8,000 steps: about 5 minutes), sites come and go the whole run: every
+EVERY seconds one is killed and started again DOWN seconds later, under torchrun (from site 1: its site 0 hosts
+the rendezvous) and in live membership (from site 0), each beside its uninterrupted run. The training efficiency
+is the uninterrupted run's wall-clock over the churned one's, for the same steps: the steps made over the steps
+the uninterrupted rate would have made. On 2 cores fewer sites also train faster, which flatters both churned runs.
 
 Usage::
 
     python benchmarks/elastic.py [--quick] [--out DIR] [--bandwidth 100mbit] [--at 40] [--back 80] [--streaming]
     python benchmarks/elastic.py --streaming --period 128 --bandwidth 10mbit --join-at 50  # a third site joins
     python benchmarks/elastic.py --live --streaming --period 128 --bandwidth 10mbit --at 30 --back 50
+    python benchmarks/elastic.py --live --sites 2 --devices 2 --drop-site 0 --streaming --period 128 \
+        --bandwidth 10mbit --at 30 --back 50  # islands
+    python benchmarks/elastic.py --churn 60:20 --streaming --period 128 --bandwidth 10mbit  # about 25 minutes
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
 from fabric_multimodel.launch import parse_final_line  # noqa: E402
-from fabric_multimodel.sites import Drop, Join, run_sites  # noqa: E402
+from fabric_multimodel.sites import Churn, Drop, Join, run_sites  # noqa: E402
 
 NAME = "elastic"
 RESUMED = re.compile(r"--resume auto: step (\d+) from \S+ into (\d+) processes \(unix time ([\d.]+)")
@@ -50,34 +60,40 @@ AGENT_FAILED = re.compile(r"^[EW](\d{4} \d\d:\d\d:\d\d\.\d+) \d+ .*failed \(exit
 MEMBERSHIP_KEYS = [*common.LM_KEYS, "membership_wait_s", "process_start"]
 
 
-def live_run(args: Any, label: str, drop: Drop | None) -> dict[str, Any]:
-    """A live-membership run of 3 sites x 1 (``--launcher live``), and what its ``membership:`` lines say."""
+def live_run(args: Any, label: str, drop: Drop | None, churn: Churn | None = None) -> dict[str, Any]:
+    """A live-membership run of ``--sites`` x ``--devices`` (``--launcher live``), and what its ``membership:`` lines
+    say (site 0's first process's, and each site's)."""
     folder = fresh_folder(args, label)
     script = [
         "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "0", "--outer", "nesterov",
-        "--checkpoint-every", "0", "--timeout", "60", "--min-sites", "3", "--out", str(folder / "site{site}"),
+        "--checkpoint-every", "0", "--timeout", "60", "--min-sites", str(args.sites),
+        "--out", str(folder / "site{site}"),
         *streaming_flags(args, live=True), *args.example_args,
     ]  # fmt: skip
     result = run_sites(
         common.REPO / "examples" / "lm_fabric.py",
         script,
-        sites=3,
-        devices=1,
+        sites=args.sites,
+        devices=args.devices,
         bandwidth=args.bandwidth,
         out=folder / "sites",
         launcher="live",
         drop=drop,
+        churn=churn,
         stream=False,
         timeout=args.run_timeout,
     )
     texts = [out.read_text() for out, _ in result.logs]
-    survivor = next(site for site in range(3) if drop is None or site != drop.site)
+    # the sites that ended the run (with churn, a site started after its last round has no final line)
+    ended = [site for site, text in enumerate(texts) if "final:" in text and (drop is None or site != drop.site)]
     row: dict[str, Any] = {"run": label, "code": result.code, "sites_wall_s": result.wall_s}
-    if result.code == 0:
-        row.update({k: float(v) for k, v in parse_final_line(texts[survivor], MEMBERSHIP_KEYS).items()})
-        waits = [float(parse_final_line(text, MEMBERSHIP_KEYS)["membership_wait_s"]) for text in texts]
-        row["membership_wait_s"] = max(w for site, w in enumerate(waits) if drop is None or site != drop.site)
-        row["losses"] = [float(parse_final_line(text, MEMBERSHIP_KEYS)["val_loss"]) for text in texts]
+    row["kills"], row["epochs"] = len(result.churned), max(len(_membership(text)) for text in texts)
+    if result.code == 0 and ended:
+        finals = {site: parse_final_line(texts[site], MEMBERSHIP_KEYS) for site in ended}
+        row.update({k: float(v) for k, v in finals[ended[0]].items()})
+        row["membership_wait_s"] = max(float(final["membership_wait_s"]) for final in finals.values())
+        row["losses"] = [float(final["val_loss"]) for final in finals.values()]
+    survivor = ended[0] if ended else 0
     if drop is None or result.dropped_at is None:
         return row
     killed = result.started + result.dropped_at
@@ -118,7 +134,9 @@ def fresh_folder(args: Any, label: str) -> Path:
     return folder
 
 
-def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> dict[str, Any]:
+def run(
+    args: Any, label: str, drop: Drop | None, join: Join | None = None, churn: Churn | None = None
+) -> dict[str, Any]:
     folder = fresh_folder(args, label)
     script = [
         "--steps", str(args.steps), "--period", str(args.period), "--warmup-steps", "20", "--outer", "nesterov",
@@ -128,13 +146,15 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
     result = run_sites(
         common.REPO / "examples" / "lm_fabric.py",
         script,
-        sites=3 if join or args.live else 2,
+        sites=args.sites,
         devices=args.devices,
         bandwidth=args.bandwidth,
         out=folder / "sites",
         launcher="torchrun",
         drop=drop,
         join=join,
+        churn=churn,
+        max_restarts=1000 if churn else 3,  # every kill and every return restarts the survivors' workers
         stream=False,
         timeout=args.run_timeout,
     )
@@ -143,7 +163,7 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
     if result.code == 0:
         row.update({k: float(v) for k, v in parse_final_line(out, common.LM_KEYS).items()})
     resumes = [(int(s), int(w), float(t)) for s, w, t in RESUMED.findall(out)]
-    row["resumes"] = resumes
+    row["resumes"], row["kills"] = resumes, len(result.churned)
     if join is not None and result.joined_at is not None:
         joined = result.started + result.joined_at
         grown = next(((s, w, t) for s, w, t in resumes if t > joined and w == 3 * args.devices), None)
@@ -154,7 +174,7 @@ def run(args: Any, label: str, drop: Drop | None, join: Join | None = None) -> d
         killed = result.started + result.dropped_at
         failures = [_agent_time(m.group(1), killed) for line in err.splitlines() if (m := AGENT_FAILED.match(line))]
         detected = next((t for t in failures if t >= killed), None)
-        sites = 3 if args.live else 2
+        sites = args.sites
         again = next(((s, w, t) for s, w, t in resumes if t > killed and w == (sites - 1) * args.devices), None)
         failed_at = [int(s) for s in FAILED_ROUND.findall(out + err)]
         row.update(
@@ -188,7 +208,7 @@ def _phases(log: Any, world: int) -> dict[str, Any]:
 
 def streaming_flags(args: Any, live: bool = False) -> list[str]:
     """``--streaming``: (islands) streaming DiLoCo, 4 fragments, each merged period / 8 steps after its launch; a
-    live site is one process, so no islands there."""
+    live site's processes are islands by themselves (its own world)."""
     if not args.streaming:
         return []
     return [*([] if live else ["--layout", "islands"]), "--fragments", "4", "--overlap-steps", str(args.period // 8)]
@@ -204,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     common.start_clock()
     p = common.parser(NAME, __doc__.splitlines()[0])
     p.add_argument("--bandwidth", default="100mbit", help="the link between the sites")
-    p.add_argument("--devices", type=int, default=None, help="processes per site (default 2; quick 1)")
+    p.add_argument("--devices", type=int, default=None, help="processes per site (default 2; quick and --live 1)")
+    p.add_argument("--sites", type=int, default=None, help="sites (default 2; --live and --join-at 3)")
     p.add_argument("--steps", type=int, default=None, help="LM steps (default 2000; quick 600)")
     p.add_argument("--period", type=int, default=32, help="DiLoCo period")
     p.add_argument(
@@ -219,19 +240,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--live",
         action="store_true",
-        help="3 sites x 1 process, and the same drop in live membership (--launcher live) beside torchrun's",
+        help="the same drop in live membership (--launcher live) beside torchrun's (3 sites x 1 process by default)",
     )
     p.add_argument("--drop-site", type=int, default=1, help="the site to drop (0: live runs only; default 1)")
+    p.add_argument(
+        "--churn",
+        metavar="EVERY:DOWN",
+        help="instead of one drop: kill a site every EVERY s, back DOWN s later, under torchrun and live (3 sites x 1)",
+    )
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--`")
     args = p.parse_args(argv)
+    args.live = args.live or bool(args.churn)  # churn: the torchrun and live paths side by side
     args.devices = args.devices or (1 if args.quick or args.live else 2)
-    if args.live and (args.devices != 1 or args.join_at):
-        p.error("--live runs sites of one process (--devices 1) and drops a site (no --join-at)")
+    args.sites = args.sites or (3 if args.live or args.join_at else 2)
+    if args.live and args.join_at:
+        p.error("--live drops a site (no --join-at)")
+    if args.join_at and args.sites != 3:
+        p.error("--join-at starts a third site: --sites 3")
     if args.drop_site == 0 and not args.live:
         p.error("--drop-site 0 needs --live: torchrun's site 0 hosts the rendezvous")
-    args.steps = args.steps or (600 if args.quick else 2000)
+    args.steps = args.steps or (600 if args.quick else 8000 if args.churn else 2000)
+    if args.churn:
+        every, _, down = args.churn.partition(":")
+        churn = Churn(float(every), float(down))
+        rows = [run(args, "uninterrupted", None), run(args, "churn", None, churn=churn)]
+        common.progress(f"torchrun: {rows[0]['sites_wall_s']:.0f} s, with churn {rows[1]['sites_wall_s']:.0f} s")
+        rows += [live_run(args, "live-uninterrupted", None), live_run(args, "live-churn", None, churn=churn)]
+        print_churn(args, churn, rows, common.machine_info())
+        return
     if args.streaming and (args.period % 32 or (args.devices < 2 and not args.live)):
-        p.error("--streaming needs a --period that 32 divides and --devices >= 2 (islands; --live: one process)")
+        p.error("--streaming needs a --period that 32 divides and --devices >= 2 (islands; --live: any)")
     at = args.at or (25.0 if args.quick else 45.0)
     back = args.back if args.back is not None else (45.0 if args.quick else 80.0)
     info = common.machine_info()
@@ -304,10 +342,11 @@ def print_live(args: Any, at: float, back: float, rows: list[dict[str, Any]], in
     print(
         f"# Losing a site and taking it back: torchrun's elastic agent and live membership{' (QUICK)' * args.quick}\n"
     )
-    print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=1, steps=args.steps))
+    print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=args.devices, steps=args.steps))
     mode = f"streaming DiLoCo {args.period} (4 fragments, overlap {args.period // 8})" if args.streaming else ""
     print(
-        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, 3 sites x 1 process behind"
+        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, {args.sites} sites x {args.devices}"
+        f" process{'es' * (args.devices > 1)} behind"
         f" {args.bandwidth}; site {args.drop_site or 1} (torchrun) and site {args.drop_site} (live) killed"
         f" at {at:.0f} s, back at {back:.0f} s.\n"
     )
@@ -323,7 +362,7 @@ def print_live(args: Any, at: float, back: float, rows: list[dict[str, Any]], in
         ("wall-clock s (the tool's, start to end)", "sites_wall_s", "{:.1f}"),
         ("kill -> survivors training again, s", "kill_to_training_s", "{:.1f}"),
         ("steps lost", "steps_lost", "{:g}"),
-        ("site back -> training with all 3, s", "back_to_training_s", "{:.1f}"),
+        (f"site back -> training with all {args.sites}, s", "back_to_training_s", "{:.1f}"),
         ("  of which its process's start -> in the epoch, s", "start_to_training_s", "{:.1f}"),
         ("MB the returning site received", "received_mb", "{:.2f}"),
         ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),
@@ -337,6 +376,45 @@ def print_live(args: Any, at: float, back: float, rows: list[dict[str, Any]], in
     for row in rows[2:]:
         if row.get("losses"):
             print(f"{row['run']}: every site's final validation loss {row['losses']}")
+    common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
+
+
+def print_churn(args: Any, churn: Churn, rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    """Training under churn, the torchrun path and live membership side by side: one table."""
+    print(f"# Sites that come and go: torchrun's elastic agent and live membership{' (QUICK)' * args.quick}\n")
+    print(common.machine_line(info, bandwidth=args.bandwidth, processes_per_site=args.devices, steps=args.steps))
+    mode = f"streaming DiLoCo {args.period} (4 fragments, overlap {args.period // 8})" if args.streaming else ""
+    print(
+        f"\nexamples/lm_fabric.py, {mode or f'DiLoCo period {args.period}'}, {args.sites} sites x {args.devices}"
+        f" behind {args.bandwidth}; every {churn.every:g} s a site is killed and started again {churn.down:g} s later"
+        " (live: round robin from site 0; torchrun: from site 1, as its site 0 hosts the rendezvous).\n"
+    )
+    for base, changed in ((rows[0], rows[1]), (rows[2], rows[3])):
+        if changed.get("code") == 0 and base.get("code") == 0:
+            # steps made over the steps the uninterrupted run makes in the same time (both make --steps)
+            changed["efficiency"] = 100 * base["sites_wall_s"] / changed["sites_wall_s"]
+            if base.get("val_loss") and changed.get("val_loss"):
+                changed["loss_vs_uninterrupted"] = 100 * (changed["val_loss"] / base["val_loss"] - 1)
+
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else fmt.format(value)
+
+    spec = [
+        ("exit code", "code", "{}"),
+        ("steps finished", "steps", "{:g}"),
+        ("sites killed (and started again)", "kills", "{}"),
+        ("wall-clock s (the tool's, start to end)", "sites_wall_s", "{:.1f}"),
+        ("training efficiency, % (uninterrupted wall / this wall)", "efficiency", "{:.1f}"),
+        ("final validation loss", "val_loss", "{:.4f}"),
+        ("loss vs uninterrupted, %", "loss_vs_uninterrupted", "{:+.2f}"),
+        ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),
+        ("epochs (live) / resumes (torchrun)", "changes", "{}"),
+    ]
+    for row in rows:
+        row["changes"] = row["epochs"] if "epochs" in row else len(row.get("resumes", []))
+    table = [[name, *(cell(row, key, fmt) for row in rows)] for name, key, fmt in spec]
+    print(common.markdown_table(["", "torchrun", "torchrun, churn", "live", "live, churn"], table))
     common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
 
 

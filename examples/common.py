@@ -306,8 +306,11 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             "--coordinator needs --period N, and takes no --pace speed, --period auto, --node-period or"
             " --error-feedback yet"
         )
-    if args.coordinator and math.prod(world_shape(args)) > 1:
-        p.error("--coordinator: a site of one process for now (--devices 1); start one such process per site")
+    if args.coordinator and (args.shard == "node" or args.layout != "flat" or args.node_period):
+        p.error(
+            "--coordinator: each site's processes are a world of their own, with DDP inside it and rounds across the"
+            " sites; drop --layout, --node-period and --shard (FSDP2 sites do not take a coordinator yet)"
+        )
     if args.coordinator and (not args.site or "#" in args.site):
         p.error(f"--coordinator needs --site NAME (no '#'), got {args.site!r}")
     if args.resume is None and restart_count():
@@ -465,8 +468,8 @@ def join_options(fabric: Fabric, args: argparse.Namespace) -> dict[str, Any]:
 
 def data_rank(fabric: Fabric, args: argparse.Namespace) -> int:
     """What orders this process's training data: its global rank, or with ``--coordinator`` (every site a world
-    of its own, each rank 0) its site's name."""
-    return zlib.crc32(args.site.encode()) if args.coordinator else fabric.global_rank
+    of its own) its site's name and its rank in the site."""
+    return zlib.crc32(args.site.encode()) + fabric.global_rank if args.coordinator else fabric.global_rank
 
 
 def report_membership(fabric: Fabric, averager: Averager | None, seen: int) -> int:
@@ -488,8 +491,10 @@ def report_membership(fabric: Fabric, averager: Averager | None, seen: int) -> i
 def averaging_line(args: argparse.Namespace, averager: Averager) -> str:
     """An averaging run's first line: what the Averager does and in which layout (and why, when --layout was not
     given)."""
-    line = f"averaging: {averager.config} layout={args.layout}"
-    if averager.sharded:
+    line = f"averaging: {averager.config} layout={'islands' if averager.islands else args.layout}"
+    if averager.membership is not None and averager.islands:
+        line += " (each site a world of its own: DDP inside it, rounds across the sites that joined)"
+    elif averager.sharded:
         line += " (FSDP2 inside each node, rounds of its shards across nodes)"
     elif getattr(args, "layout_chosen", False) and args.layout == "islands":
         nodes = world_shape(args)[1]

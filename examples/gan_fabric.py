@@ -75,7 +75,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Averager, frozen, setup_models
+from fabric_multimodel import Averager, RunEnded, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -222,7 +222,11 @@ def train(args: argparse.Namespace) -> int | None:
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [opt_g, opt_d])
     phases.mark("models")
-    averager = Averager(fabric, [gen, disc], **options, **join_options(fabric, args)) if options else None
+    try:
+        averager = Averager(fabric, [gen, disc], **options, **join_options(fabric, args)) if options else None
+    except RunEnded as error:  # a site started after the run's last round: nothing to join
+        fabric.print(f"membership: {error}")
+        return 0
     phases.mark("averager")
     if averager is not None:
         fabric.print(averaging_line(args, averager))
@@ -317,6 +321,8 @@ def train(args: argparse.Namespace) -> int | None:
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
     stop.close()
+    if averager is not None and averager.membership is not None:
+        averager.membership.close(finished=True)  # a site still waiting to be admitted stops waiting
     progress.close()
     save(args.steps, sync=False)  # leaving the block averaged already
     round_checkpoints = checkpointer.close()

@@ -90,7 +90,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
-from fabric_multimodel import Averager, setup_models
+from fabric_multimodel import Averager, RunEnded, setup_models
 
 HELD_OUT = 0.05  # share of files (by path hash) kept for validation
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -412,7 +412,11 @@ def train(args: argparse.Namespace) -> int | None:
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
     options = averager_options(args, placement, [optimizer])
     phases.mark("models")
-    averager = Averager(fabric, model, **options, **join_options(fabric, args)) if options else None
+    try:
+        averager = Averager(fabric, model, **options, **join_options(fabric, args)) if options else None
+    except RunEnded as error:  # a site started after the run's last round: nothing to join
+        fabric.print(f"membership: {error}")
+        return 0
     phases.mark("averager")
     if averager is not None:
         fabric.print(averaging_line(args, averager))
@@ -525,6 +529,8 @@ def train(args: argparse.Namespace) -> int | None:
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
     stop.close()
+    if averager is not None and averager.membership is not None:
+        averager.membership.close(finished=True)  # a site still waiting to be admitted stops waiting
     end_round = (time.perf_counter() - end[0], sent() - end[1])
     progress.close()
     if fabric.is_global_zero or sharded:

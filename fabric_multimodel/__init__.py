@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from fabric_multimodel.config import AveragerConfig
     from fabric_multimodel.frozen import frozen
     from fabric_multimodel.groups import NodeGroups, node_groups
-    from fabric_multimodel.membership import Epoch, Membership
+    from fabric_multimodel.membership import Epoch, Membership, RunEnded
     from fabric_multimodel.models import Models, ddp_of, setup_models
     from fabric_multimodel.replicas import SyncReport, average_models, replicas_in_sync
     from fabric_multimodel.rounds import AveragingError, NonFiniteError, PeerError
@@ -39,6 +39,7 @@ _HOMES = {
     "node_groups": "groups",
     "Epoch": "membership",
     "Membership": "membership",
+    "RunEnded": "membership",
     "Models": "models",
     "ddp_of": "models",
     "setup_models": "models",
@@ -60,6 +61,7 @@ __all__ = [
     "NonFiniteError",
     "PeerError",
     "Replica",
+    "RunEnded",
     "SyncReport",
     "Traffic",
     "average_models",

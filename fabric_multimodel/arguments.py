@@ -61,9 +61,12 @@ def check_placement(
     process_group: ProcessGroup,
     node_group: ProcessGroup,
     config: AveragerConfig,
+    *,
+    across_sites: bool = False,
 ) -> Placement:
     """The Averager's arguments beyond its config, checked on this rank before any collective; where the
-    modules live."""
+    modules live. ``across_sites``: a membership's, whose sites are worlds of their own (the default group is
+    this site's), so a module's DDP inside it makes islands."""
     overlap_steps, node_period = config.overlap_steps, config.node_period
     if overlap_steps and optimizers:
         raise ValueError(
@@ -82,6 +85,11 @@ def check_placement(
                 )
     shards = [check_replicated(module) for module in modules]
     if any(shards):
+        if across_sites:
+            raise ValueError(
+                "Averager: `membership` does not take FSDP2 models yet (each site's shards would average with the"
+                " same shards of the others); set the models up with DDP inside the site, or leave out `membership`."
+            )
         if not all(shards) or node_period:
             raise ValueError(
                 "Averager: with FSDP2 models, shard every model (setup_models(..., shard=group) shards all) and"
@@ -90,7 +98,7 @@ def check_placement(
         site = check_sharded_layout(modules, process_group)
         return Placement(True, True, (), site)
     ddps = tuple(ddp for ddp in map(ddp_of, modules) if ddp is not None)
-    islands = islands_layout(ddps, process_group, node_period)
+    islands = bool(ddps) if across_sites else islands_layout(ddps, process_group, node_period)
     return Placement(False, islands, ddps, ddps[0].process_group if islands else None)
 
 
@@ -103,7 +111,9 @@ def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:
         )
 
 
-def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_group: ProcessGroup) -> None:
+def check_membership(
+    config: AveragerConfig, process_group: ProcessGroup, node_group: ProcessGroup, optimizers: Sequence[Optimizer]
+) -> None:
     """What a :class:`~fabric_multimodel.membership.Membership` cannot take yet, refused before it registers."""
     refused = {
         "process_group": process_group is not None,
@@ -111,6 +121,7 @@ def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_g
         "period='auto'": config.period == "auto",
         "pace='speed'": config.pace == "speed",
         "error_feedback": config.error_feedback,
+        "optimizers (their state averaged in blocking rounds)": bool(optimizers),
     }
     for option, given in refused.items():
         if given:
@@ -118,11 +129,6 @@ def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_g
                 f"Averager: `membership` does not take {option} yet (each round runs on the group of the site's"
                 " epoch, which the membership makes); leave it out, or leave out `membership`."
             )
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(
-            "Averager: `membership` takes sites of one process for now (this site's world has"
-            f" {dist.get_world_size()}); start each site with one process, or average with process_group instead."
-        )
 
 
 def islands_layout(ddps: Sequence[DistributedDataParallel], group: ProcessGroup, node_period: int | None) -> bool:

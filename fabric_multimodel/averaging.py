@@ -228,8 +228,8 @@ class Averager:
         self.state_traffic = Traffic()
         epoch = None
         if membership is not None:  # every check before this site registers, so a mistake costs the others nothing
-            check_membership(config, process_group, node_group)
-            placement = check_placement(module_list, self.optimizers, None, None, config)
+            check_membership(config, process_group, node_group, self.optimizers)
+            placement = check_placement(module_list, self.optimizers, None, None, config, across_sites=True)
             epoch = membership.join()
             process_group = epoch.group
         else:
@@ -850,32 +850,42 @@ class Averager:
     def _enter_epoch(self, epoch: Epoch) -> None:
         """Run the next rounds over ``epoch``'s group: check that its members built the same Averager, and bring
         those behind (a site that joins, a survivor that missed the last round) to the newest state, received from
-        the first member that holds it, point to point. A run's start (every member at step 0) sends instead the
-        first member's values where they differ."""
-        assert epoch.group is not None and self.membership is not None
+        the first member that holds it, point to point (a site of several processes: by its process 0, then inside
+        the site). A run's start (every member at step 0) sends instead the first member's values where they
+        differ. A site's processes agree that all of them began the epoch before any goes on."""
+        membership = self.membership
+        assert epoch.group is not None and membership is not None
         self.process_group = epoch.group
-        self._round.regroup(epoch.group, self.membership.failing)
+        self._round.regroup(epoch.group, membership.failing, membership.agree)
+        failure: RuntimeError | None = None
+        data, behind = None, False
         with self._round.storage.synced():
             try:
                 try:
                     self._check_agreement(self._agreement)
                 except ValueError as error:
-                    if self.membership.token not in epoch.joined:  # a new site built another Averager: without it
-                        raise PeerError(f"Averager: a site new in epoch {epoch.number} differs: {error}") from error
-                    raise
+                    if membership.token in epoch.joined:  # this new site built another Averager: it stops here
+                        raise
+                    raise PeerError(f"Averager: a site new in epoch {epoch.number} differs: {error}") from error
                 progress = [self.steps, -1 if self.finished_at is None else self.finished_at]
-                source, behind = catch_up(progress, self._device, epoch.group)
+                source, ranks_behind = catch_up(progress, self._device, epoch.group)
+                behind = epoch.rank in ranks_behind
                 self.state_traffic = Traffic()
-                if source is None:
-                    if self.steps == 0:
-                        self.start_traffic += self._start_members()
-                    return
-                state = self._state_from(source, behind, epoch.group)
+                if source is None and self.steps == 0:
+                    self.start_traffic += self._start_members()
+                elif source is not None and membership.local_rank == 0:
+                    data = self._state_bytes(source, ranks_behind, epoch.group)
             except RuntimeError as error:  # a member was lost while the epoch began
-                raise PeerError(f"Averager: epoch {epoch.number} could not begin: {error}") from error
-        if state is not None:
+                failure = error
+            if not membership.agree(failure is None):
+                reason = failure or "another process of this site lost a peer"
+                raise PeerError(f"Averager: epoch {epoch.number} could not begin: {reason}") from failure
+        if behind:
+            if membership.processes > 1:  # the site's process 0 received it: the others' copy crosses no link
+                data, _ = relay_bytes([(0, rank) for rank in range(1, membership.processes)], data, self._device)
+            assert data is not None
             traffic = self.traffic
-            self.load_state_dict(state)
+            self.load_state_dict(torch.load(io.BytesIO(data), map_location=self._device, weights_only=False))
             self.traffic = traffic  # what this process sent; the state's counters are the sender's
 
     def _start_members(self) -> Traffic:
@@ -886,8 +896,8 @@ class Averager:
         self._round.anchor_parameters()
         return sent
 
-    def _state_from(self, source: int, behind: list[int], group: dist.ProcessGroup) -> dict[str, Any] | None:
-        """This Averager's state as rank ``source`` of ``group`` holds it, on the ranks ``behind``; None elsewhere."""
+    def _state_bytes(self, source: int, behind: list[int], group: dist.ProcessGroup) -> bytes | None:
+        """This Averager's state, saved by rank ``source`` of ``group``, on the ranks ``behind``; None elsewhere."""
         mine = group_rank(group)
         payload = None
         if mine == source:
@@ -896,10 +906,7 @@ class Averager:
             payload = buffer.getvalue()
         data, size = relay_bytes([(source, rank) for rank in behind], payload, self._device, group=group)
         self.state_traffic = Traffic(size, size * (len(behind) if mine == source else 1))
-        if mine not in behind or data is None:
-            return None
-        state: dict[str, Any] = torch.load(io.BytesIO(data), map_location=self._device, weights_only=False)
-        return state
+        return data if mine in behind else None
 
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():

@@ -24,6 +24,12 @@ member reads the same value, so no member leads and any site may be lost, the fi
 A member is a *token*, ``<site>#<n>`` (its registration number ``n``), so a site that starts again is a new
 member, never confused with the process it replaces. Epoch ``e + 1`` lists the members kept from epoch ``e``
 first, in their order, then the new ones: its rank 0 is the oldest member still there.
+
+A site may be several processes (``fabric run --devices 2``: the site's own world, its DDP inside): every site
+then has as many, and process ``i`` of each site meets process ``i`` of the others in the epoch's group ``i``.
+The site registers once (its process 0) and its processes read every decision from the store alike; where they
+could see a failure differently (a round, a group being made) they agree first (:meth:`Membership.agree`, one
+all-reduce inside the site), so a site always moves as one.
 """
 
 from __future__ import annotations
@@ -42,6 +48,19 @@ from fabric_multimodel.collectives import all_gather_single, standalone_group
 
 #: Seconds between two polls of the store while waiting (admission, check-ins).
 POLL_S = 0.05
+
+
+class RunEnded(RuntimeError):
+    """The run's members finished (:meth:`Membership.close` with ``finished=True``) before this site was admitted: a
+    site that started too late has nothing to join.
+
+    Example::
+
+        try:
+            averager = Averager(fabric, model, period=128, membership=membership)
+        except RunEnded:
+            print("the run is over")
+    """
 
 
 @dataclass(frozen=True)
@@ -109,6 +128,9 @@ class Membership:
         run: the run's name: the store's keys are under it, so one coordinator can serve several runs.
         max_sites: the most members an epoch may have (sites past it wait for a place).
 
+    Build it once the site's own world started (``fabric.launch()``): a site of several processes is the default
+    process group, and every site of the run must have as many.
+
     Example::
 
         membership = Membership("coordinator-host:29400", site="berlin", device=fabric.device, min_sites=2)
@@ -147,6 +169,10 @@ class Membership:
         self.device = torch.device(device)
         self._address = (host, int(port))
         self._run = run
+        #: This process's rank in its site, and the site's processes (its own world: 1 when it has none).
+        self.local_rank, self.processes = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
         self._store = self._connect()
         #: This process's token once registered, ``<site>#<n>``.
         self.token: str | None = None
@@ -180,7 +206,13 @@ class Membership:
 
     def _admit(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
         start = time.perf_counter()
-        number = self._store.add("joins", 1)
+        processes = int(self._store.compare_set("processes", "", str(self.processes)))
+        if processes != self.processes:  # on every process of the site, before it registers
+            raise ValueError(
+                f"Membership: this site has {self.processes} processes and the run's sites have {processes}; start"
+                " every site with the same number (process i of each site averages with process i of the others)."
+            )
+        number = self._from_site_process_0(self._store.add("joins", 1) if self.local_rank == 0 else 0)
         self.token = f"{self.site}#{number}"
         self._store.set(f"join/{number}", self.token)
         self._start_heartbeats()
@@ -211,10 +243,12 @@ class Membership:
         *,
         first_only: bool = False,
     ) -> str:
-        """Wait until every key exists (``first_only``: any of them, returned). Polls: a store wait that times out
-        would leave the connection unusable."""
+        """Wait until every key exists (``first_only``: any of them, returned), or raise :class:`RunEnded` once the
+        run finished. Polls: a store wait that times out would leave the connection unusable."""
         reported = start
         while True:
+            if self._store.check(["finished"]):
+                raise RunEnded(f"Membership: the run finished before site {self.site!r} was admitted; nothing to join.")
             present = [key for key in keys if self._store.check([key])]
             if (present and first_only) or len(present) == len(keys):
                 return present[0]
@@ -292,6 +326,32 @@ class Membership:
         epoch = self.epoch
         return epoch is not None and self._store.check([f"epoch/{epoch.number}/failing"])
 
+    def agree(self, ok: bool) -> bool:
+        """True when every process of this site says ``ok`` (one all-reduce inside the site; none in a site of one
+        process). A process that says not ok first marks the epoch failing, so that the other sites' waits on it
+        end: a site then recovers as one, never half of it in the next epoch.
+
+        Example::
+
+            if not membership.agree(round_failed_here is None):
+                epoch = membership.recover()
+        """
+        if not ok and self.epoch is not None:
+            self._store.set(f"epoch/{self.epoch.number}/failing", "1")
+        if self.processes == 1:
+            return ok
+        flag = torch.tensor([0 if ok else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the site's own world: its processes live and die together
+        return not bool(flag.item())
+
+    def _from_site_process_0(self, value: int) -> int:
+        """``value`` as the site's process 0 has it (one broadcast inside the site; none in a site of one)."""
+        if self.processes == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return int(tensor.item())
+
     def _survivors(self, epoch: Epoch) -> list[str]:
         """The members of ``epoch`` that checked in, once every member whose heartbeat moves has (``timeout`` at
         most), in the epoch's order."""
@@ -334,10 +394,12 @@ class Membership:
         joined = tuple(m for m in decision.members if m not in previous)
         left = tuple(m for m in previous if m not in decision.members)
         self.epoch, self._decision = Epoch(number, decision.members, rank, None, joined, left), decision
-        store = dist.PrefixStore(f"epoch/{number}/group/", self._store)
+        store = dist.PrefixStore(f"epoch/{number}/group/{self.local_rank}/", self._store)
         try:
             group = standalone_group(store, rank, len(decision.members), self.device, self.timeout)
         except RuntimeError:
+            group = None
+        if not self.agree(group is not None):  # every process of the site in the epoch, or none
             return self.recover()
         self.epoch = dataclasses.replace(self.epoch, group=group)
         return self.epoch
@@ -365,13 +427,17 @@ class Membership:
         self._beats = threading.Thread(target=beat, name=f"heartbeat-{self.site}", daemon=True)
         self._beats.start()
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         """Stop the heartbeats (the others then see this site gone within ``3 * heartbeat_s``) and drop the group.
+        ``finished``: this site ran the run to its end (every member ends at the same step), so sites still
+        waiting to be admitted stop waiting (their :meth:`join` raises :class:`RunEnded`).
 
         Example::
 
-            membership.close()
+            membership.close(finished=averager.steps == total_steps)
         """
+        if finished and self.epoch is not None:
+            self._store.set("finished", "1")
         self._stop.set()
         if self._beats is not None:
             self._beats.join(timeout=self.heartbeat_s + 1)

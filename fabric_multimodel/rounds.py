@@ -185,19 +185,26 @@ class Round:
         self._outer = True
         self._label = ""
 
-    def regroup(self, group: ProcessGroup, abandon: Callable[[], bool] | None = None) -> None:
+    def regroup(
+        self,
+        group: ProcessGroup,
+        abandon: Callable[[], bool] | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> None:
         """Run the next rounds over ``group`` (a membership's new epoch: another size, other peers). The header,
         the send buffers and the transports are made for it again; anchors and outer state stay. Allocates one send
         buffer's worth at most, and issues no collective; no round may be in flight. ``abandon``: see
-        :func:`~fabric_multimodel.collectives.wait_all`.
+        :func:`~fabric_multimodel.collectives.wait_all`. ``agree(ok)``: whether every process of this rank's node
+        finished its slice (islands), asked once per round before the node's processes exchange their slices, so
+        that they merge a round, or drop it, together.
 
         Example::
 
-            averaging_round.regroup(epoch.group, membership.failing)
+            averaging_round.regroup(epoch.group, membership.failing, membership.agree)
         """
         if getattr(self, "_in_flight", False):
             raise RuntimeError("Round.regroup: a round is in flight; finish or abandon it first.")
-        self._abandon = abandon
+        self._abandon, self._agree = abandon, agree
         self.group = group
         self.world = group_size(group)
         #: Islands: the processes of this rank's node, which hold the same replica. Each sends its 1/D slice of
@@ -265,7 +272,7 @@ class Round:
             return _Sum(payload, self.group, self.world, self._abandon)
         mine = [self._slice(t) for t in payload]
         inner = _Sum([t for t in mine if t.numel()], self.group, self.world, self._abandon)
-        return _NodeSlices(inner, payload, self.node_group)
+        return _NodeSlices(inner, payload, self.node_group, self._agree)
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t`` among the node's processes."""
@@ -576,7 +583,7 @@ class DeltaRound(Round):
         )
         mean.abandon = self._abandon
         quantized = _Quantized(mean, mine, head)
-        return quantized if self.slices == 1 else _NodeSlices(quantized, [data], self.node_group)
+        return quantized if self.slices == 1 else _NodeSlices(quantized, [data], self.node_group, self._agree)
 
     anchored = True
     state_keys: tuple[str, ...] = ("anchor",)
@@ -785,10 +792,21 @@ class _Quantized:
 class _NodeSlices:
     """Islands: ``inner`` carries this rank's slice of each payload tensor across the nodes; :meth:`finish` then
     broadcasts every slice from its owner to the node's other processes (one broadcast per slice, inside the node).
-    ``traffic`` is what crossed: ``inner``'s."""
+    ``traffic`` is what crossed: ``inner``'s.
 
-    def __init__(self, inner: Any, whole: list[torch.Tensor], node_group: ProcessGroup) -> None:
-        self.inner, self.node_group = inner, node_group
+    With ``agree`` (a membership's sites), a failure of ``inner`` is kept until :meth:`finish`, which first asks
+    ``agree`` whether every process of the node finished its slice: each slice crosses in a group of its own, so
+    one process can see a peer lost where another finished, and the node must drop the round as one."""
+
+    def __init__(
+        self,
+        inner: Any,
+        whole: list[torch.Tensor],
+        node_group: ProcessGroup,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> None:
+        self.inner, self.node_group, self.agree = inner, node_group, agree
+        self._failure: RuntimeError | None = None
         owners = group_ranks(node_group)
         # Every slice of every payload tensor with the global rank that owns it (views made once, not per round).
         self._slices = [
@@ -812,16 +830,30 @@ class _NodeSlices:
         return self.inner.mean
 
     def start(self) -> None:
-        self.inner.start()
+        self._failure = None
+        self._run(self.inner.start)
 
     def exchange(self) -> None:
-        self.inner.exchange()
+        self._run(self.inner.exchange)
 
     def finish(self) -> None:
-        self.inner.finish()
+        self._run(self.inner.finish)
+        failure, self._failure = self._failure, None
+        if self.agree is not None and not self.agree(failure is None):
+            raise failure or RuntimeError("another process of this node lost a peer in this round")
         # All launched before the first wait, so the slices cross at once.
         work = [dist.broadcast(piece, src=owner, group=self.node_group, async_op=True) for piece, owner in self._slices]
         wait_all(work)
+
+    def _run(self, phase: Callable[[], None]) -> None:
+        if self._failure is not None:
+            return
+        try:
+            phase()
+        except RuntimeError as error:
+            if self.agree is None:
+                raise
+            self._failure = error
 
 
 def _bounds(numel: int, count: int, index: int) -> tuple[int, int]:

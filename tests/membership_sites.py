@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -62,12 +63,13 @@ def counting_site(address: str, name: str, plan: dict[str, Any], queue: Any) -> 
 
 
 def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) -> None:
-    """A site of one process training a small model with an Averager that takes ``membership``, for the run's
-    ``steps`` (a site that joins late starts at the step it is given). ``options``: the Averager's (with
-    ``outer_lr`` for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step. Reports the epochs it saw,
-    its final parameters' fingerprint, its steps, its membership wait and the collectives of each epoch's start."""
-    from lightning_fabric import Fabric
-
+    """A process of a site training a small model with an Averager that takes ``membership``, for the run's
+    ``steps`` (a site that joins late starts at the step it is given). A site of one process sets the model up with
+    Lightning Fabric; with ``site_port``, the process is ``local_rank`` of a site of ``processes`` (a gloo world of
+    its own at that port, DDP inside it). ``options``: the Averager's (with ``outer_lr`` for DiLoCo's Nesterov SGD);
+    ``die_at``: exit abruptly before that step. Reports, under the site's name (``name/i`` from its process i > 0),
+    the epochs it saw, its final parameters' fingerprint, its steps, its membership wait and, per epoch entered, the
+    collectives of its start and the state bytes it received or sent."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
 
@@ -90,32 +92,47 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     def entering(self: Averager, epoch: Any) -> None:
         entries.append({"epoch": epoch.number})
         enter(self, epoch)
+        entries[-1]["state_bytes"] = self.state_traffic.bytes
         entries.append({})  # what follows is no epoch's start
 
     Averager._enter_epoch = entering  # type: ignore[method-assign]
 
-    fabric = Fabric(accelerator="cpu", devices=1)
+    local_rank = plan.get("local_rank", 0)
+    report = name if local_rank == 0 else f"{name}/{local_rank}"
     torch.manual_seed(sum(map(ord, name)))  # every site its own start: the first epoch starts them all from one
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    model: Any = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    if "site_port" in plan:  # a site of several processes: DDP inside its own world
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{plan['site_port']}", rank=local_rank, world_size=plan["processes"]
+        )
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        device: Any = SimpleNamespace(device=torch.device("cpu"))  # what the Averager asks of a Fabric
+        backward = torch.Tensor.backward
+    else:
+        from lightning_fabric import Fabric
+
+        device = fabric = Fabric(accelerator="cpu", devices=1)
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        backward = fabric.backward
     options = dict(plan["options"])
     if "outer_lr" in options:
         outer_lr = options.pop("outer_lr")
         options["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True)
     membership = _membership(address, name, plan)
-    generator = torch.Generator().manual_seed(sum(map(ord, name)))
+    generator = torch.Generator().manual_seed(sum(map(ord, name)) + local_rank)
     epochs = []
-    with Averager(fabric, model, membership=membership, **options) as averager:
+    with Averager(device, model, membership=membership, **options) as averager:
         while averager.steps < plan["steps"]:
             if not epochs or membership.epoch.number != epochs[-1][0]:
                 epochs.append((membership.epoch.number, membership.epoch.sites))
             x = torch.randn(32, 8, generator=generator)
             loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
             opt.zero_grad()
-            fabric.backward(loss)
+            backward(loss)
             opt.step()
             if plan.get("die_at") == averager.steps + 1:
-                _leave_abruptly(queue, (name, {"epochs": epochs}, None))
+                _leave_abruptly(queue, (report, {"epochs": epochs}, None))
             averager.step()
             time.sleep(plan.get("step_s", 0.0))
     result = {
@@ -127,4 +144,6 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         "starts": [e for e in entries if "epoch" in e],
     }
     membership.close()
-    queue.put((name, result, None))
+    if "site_port" in plan:
+        dist.destroy_process_group()
+    queue.put((report, result, None))

@@ -296,6 +296,9 @@ def test_single_process_communicates_nothing(tmp_path: Path, example, capsys) ->
         (["--shard", "node", "--period", "4"], "start several (--devices N), this run has one"),
         (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "x.pt"], "--resume x.pt: no such folder"),
         (["--steps", "many"], "'many'"),  # argparse's own errors are one line too
+        (["--coordinator", "h:1", "--site", "a", "--period", "4", "--layout", "islands", "--devices", "2"], "--layout"),
+        (["--coordinator", "h:1", "--site", "a", "--period", "4", "--shard", "node", "--devices", "2"], "FSDP2"),
+        (["--coordinator", "h:1", "--site", "a#b", "--period", "4"], "--site NAME"),
     ],
 )
 def test_bad_flags_exit_with_one_line(flags: list[str], mentions: str, tmp_path: Path, example, capsys) -> None:

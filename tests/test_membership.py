@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fabric_multimodel import Averager
 from fabric_multimodel.collectives import POLL_S, wait_all
 from fabric_multimodel.launch import free_port, process_context
-from fabric_multimodel.membership import Membership, _Decision, site_of
+from fabric_multimodel.membership import Membership, RunEnded, _Decision, site_of
 from tests.membership_sites import averaging_site, counting_site
 
 _runs = itertools.count()
@@ -46,17 +46,29 @@ def _start(target: Any, address: str, name: str, plan: dict[str, Any], queue: An
 
 
 def _run_sites(
-    target: Any, address: str, plans: dict[str, dict[str, Any]], joiner: tuple[str, dict[str, Any]], lost: str
+    target: Any,
+    address: str,
+    plans: dict[str, dict[str, Any]],
+    joiner: tuple[str, dict[str, Any]],
+    lost: str,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """Start the sites of ``plans`` one after the other, each once the one before has registered (so that the first
-    is rank 0 of the first epoch); once ``lost`` reported its last round, start ``joiner``; collect every report."""
+    is rank 0 of the first epoch); once ``lost`` reported its last round, start ``joiner``; collect every report
+    (``processes`` per site: each site a gloo world of its own, its process i > 0 reporting as ``name/i``)."""
     queue = process_context().Queue()
     host, port = address.rsplit(":", 1)
     run = next(iter(plans.values()))["run"]
     store = dist.PrefixStore(f"{run}/", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False))
     procs = []
+
+    def start(name: str, plan: dict[str, Any]) -> None:
+        site = {"site_port": free_port(), "processes": processes} if processes > 1 else {}
+        for local_rank in range(processes):
+            procs.append(_start(target, address, name, {**plan, **site, "local_rank": local_rank}, queue))
+
     for registered, (name, plan) in enumerate(plans.items(), start=1):
-        procs.append(_start(target, address, name, plan, queue))
+        start(name, plan)
         deadline = time.monotonic() + 60
         while store.add("joins", 0) < registered and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -65,8 +77,8 @@ def _run_sites(
         while lost not in reports:
             name, report, waited = queue.get(timeout=60)
             reports[name] = (report, waited)
-        procs.append(_start(target, address, *joiner, queue))
-        while len(reports) < len(plans) + 1:
+        start(*joiner)
+        while len(reports) < (len(plans) + 1) * processes:
             name, report, waited = queue.get(timeout=90)
             reports[name] = (report, waited)
         for proc in procs:
@@ -147,6 +159,45 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     assert [e for e, _ in finished["d"]["epochs"]] == [epochs[-1][0]]
 
 
+def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: str) -> None:
+    """Islands: sites of two processes (DDP inside each), each sending half of a streaming fp8 round across in a
+    group of its own, lose the first site and admit a new one; every process ends identical, and the new site's
+    state crosses the link once (to its process 0), not once per process."""
+    options = _diloco(fragments=2, overlap_steps=2, comm_dtype=torch.float8_e4m3fn)
+    run = f"islands{next(_runs)}"
+    common = {"run": run, "steps": 160, "options": options, "step_s": 0.01}
+    plans = {name: {**common, "min_sites": 2, "die_at": 40 if name == "a" else None} for name in "ab"}
+    reports = _run_sites(averaging_site, coordinator, plans, ("c", common), "a", processes=2)
+
+    finished = {name: report for name, (report, _) in reports.items() if not name.startswith("a")}
+    assert sorted(finished) == ["b", "b/1", "c", "c/1"]
+    assert len({r["params"] for r in finished.values()}) == 1, "the processes left the block with different models"
+    for name, r in finished.items():
+        assert r["steps"] == 160
+        assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
+    epochs = [(e, tuple(sorted(s))) for e, s in finished["b"]["epochs"]]
+    assert epochs in ([(1, ("a", "b")), (2, ("b",)), (3, ("b", "c"))], [(1, ("a", "b")), (2, ("b", "c"))])
+    assert finished["b/1"]["epochs"] == finished["b"]["epochs"]  # a site moves as one
+    for name in ("b", "b/1"):  # per later start: the agreement check across, one all-gather, the site's agreement
+        for start in finished[name]["starts"][1:]:
+            assert start.get("all_reduce") == 2 and sum(v for k, v in start.items() if "gather" in k) == 1
+            assert "broadcast" not in start
+    joined = {name: finished[name]["starts"] for name in ("c", "c/1")}
+    assert [s["epoch"] for s in joined["c"]] == [s["epoch"] for s in joined["c/1"]] == [epochs[-1][0]]
+    assert joined["c"][0]["state_bytes"] > 0 and joined["c/1"][0]["state_bytes"] == 0  # the state crossed once
+
+
+def test_a_site_that_comes_after_the_run_finished_is_told_so_at_once(coordinator: str) -> None:
+    run = f"ended{next(_runs)}"
+    first = Membership(coordinator, "a", run=run, timeout=5.0)
+    assert first.join().sites == ("a",)
+    late = Membership(coordinator, "b", run=run, timeout=5.0)
+    first.close(finished=True)
+    with pytest.raises(RunEnded, match="finished before site 'b' was admitted"):
+        late.join()  # it would wait for admission forever otherwise
+    late.close()
+
+
 def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registers(coordinator: str) -> None:
     run = f"refused{next(_runs)}"
     host, port = coordinator.rsplit(":", 1)
@@ -157,6 +208,7 @@ def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registe
         ({"period": "auto", "warmup_steps": 4}, "period='auto'"),
         ({"period": 4, "pace": "speed", "warmup_steps": 4}, "pace='speed'"),
         ({"period": 4, "process_group": object()}, "process_group"),
+        ({"period": 4, "optimizers": [torch.optim.SGD(model.parameters(), lr=0.1)]}, "optimizers"),
     ):
         with pytest.raises(ValueError, match=f"`membership` does not take {named}"):
             Averager(torch.device("cpu"), model, membership=membership, **options)

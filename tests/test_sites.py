@@ -226,6 +226,7 @@ def test_sites_removes_what_it_made_when_making_it_fails():
         (["--join-site", "2", "--join-at", "5"], "--join-site must be a site in 1..1, got 2"),
         (["--launcher", "torchrun", "--join-site", "1", "--join-at", "0"], "--join-at must be > 0 seconds, got 0"),
         (["--churn", "60:20"], "--churn needs --launcher live"),
+        (["--launcher", "torchrun", "--sites", "1", "--churn", "60:20"], "or torchrun with 2 sites or more"),
         (["--launcher", "live", "--churn", "20:60"], "--churn EVERY:DOWN needs 0 < DOWN < EVERY seconds, got 20:60"),
         (["--launcher", "live", "--churn", "soon"], "argument --churn: 'soon' is not EVERY:DOWN in seconds"),
         (["--launcher", "live", "--drop-site", "2", "--at", "5"], "--drop-site must be a site in 0..1, got 2"),

@@ -70,7 +70,8 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
         "--churn",
         type=_churn,
         metavar="EVERY:DOWN",
-        help="live: every EVERY seconds kill the next site (round robin, site 0 first), back DOWN seconds later",
+        help="every EVERY seconds kill the next site (round robin: live from site 0, torchrun from site 1), back"
+        " DOWN seconds later",
     )
     p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")

@@ -130,16 +130,23 @@ class Join:
 
 @dataclass(frozen=True)
 class Churn:
-    """``--launcher live``: every ``every`` seconds kill the next site (round robin, site 0 first) and start it
-    again ``down`` seconds later."""
+    """Every ``every`` seconds kill the next site and start it again ``down`` seconds later: round robin, site 0
+    first with ``--launcher live``; with torchrun from site 1, as its site 0 hosts the rendezvous."""
 
     every: float
     down: float
 
-    def check(self, launcher: str, drop: Drop | None, join: Join | None) -> None:
+    def order(self, launcher: str, sites: int) -> tuple[int, ...]:
+        """The sites in the order they are killed (then again, round robin)."""
+        return tuple(range(sites)) if launcher == "live" else tuple(range(1, sites))
+
+    def check(self, launcher: str, drop: Drop | None, join: Join | None, sites: int = 2) -> None:
         """Raise ``SitesError`` unless this churn fits the run."""
-        if launcher != "live":
-            raise SitesError("--churn needs --launcher live: only live sites may come and go while the others train")
+        if launcher == "fabric" or not self.order(launcher, sites):
+            raise SitesError(
+                "--churn needs --launcher live (any site), or torchrun with 2 sites or more (site 0, which hosts its"
+                " rendezvous, is never killed): a static `fabric run` world cannot lose a site"
+            )
         if not (self.every > 0 and 0 < self.down < self.every):
             raise SitesError(f"--churn EVERY:DOWN needs 0 < DOWN < EVERY seconds, got {self.every:g}:{self.down:g}")
         if drop is not None or join is not None:
@@ -232,7 +239,7 @@ def run_sites(
         if join is not None:
             join.check(sites, launcher, drop)
         if churn is not None:
-            churn.check(launcher, drop, join)
+            churn.check(launcher, drop, join, sites)
         cpu = dict(cpu or {})
         for site, share in cpu.items():
             check_share(site, share, sites)
@@ -264,7 +271,7 @@ def run_sites(
             if launcher == "live":
                 command = coordinator_command(net, port)
                 coordinator = Launcher(sites, command, environment, folder, echo=False, name="coordinator")
-            run = _Run(net, launchers, coordinator)
+            run = _Run(net, launchers, coordinator, churn.order(launcher, sites) if churn else ())
             try:
                 run.watch(drop, join, timeout, say, churn)
             finally:
@@ -292,8 +299,10 @@ def _link_line(net: Sites, sites: int, devices: int, measured: float | None, lim
 class _Run:
     """The sites' launchers from start to end: the failure, drop and timeout rules of ``run_sites``."""
 
-    def __init__(self, net: Sites, sites: list[Launcher], coordinator: Launcher | None = None) -> None:
-        self.net, self.sites, self.coordinator = net, sites, coordinator
+    def __init__(
+        self, net: Sites, sites: list[Launcher], coordinator: Launcher | None = None, churn_order: Sequence[int] = ()
+    ) -> None:
+        self.net, self.sites, self.coordinator, self.churn_order = net, sites, coordinator, churn_order
         self.churned: list[list[Any]] = []  # [site, killed at, started again at]
         self.start, self.started = time.monotonic(), time.time()
         self.dropped_at: float | None = None
@@ -376,7 +385,7 @@ class _Run:
                 site.start()
                 say(f"sites: site {site.index} back at {now:.1f} s")
         if now >= (len(self.churned) + 1) * churn.every:
-            site = self.sites[len(self.churned) % len(self.sites)]
+            site = self.sites[self.churn_order[len(self.churned) % len(self.churn_order)]]
             self.churned.append([site.index, now, None])
             if site.running():
                 site.dropped = True
