@@ -306,10 +306,10 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             "--coordinator needs --period N, and takes no --pace speed, --period auto, --node-period or"
             " --error-feedback yet"
         )
-    if args.coordinator and (args.shard == "node" or args.layout != "flat" or args.node_period):
+    if args.coordinator and (args.node_period or (args.layout != "flat" and args.shard != "node")):
         p.error(
-            "--coordinator: each site's processes are a world of their own, with DDP inside it and rounds across the"
-            " sites; drop --layout, --node-period and --shard (FSDP2 sites do not take a coordinator yet)"
+            "--coordinator: each site's processes are a world of their own, with DDP (or --shard node: FSDP2) inside"
+            " it and rounds across the sites; drop --layout and --node-period"
         )
     if args.coordinator and (not args.site or "#" in args.site):
         p.error(f"--coordinator needs --site NAME (no '#'), got {args.site!r}")
@@ -493,7 +493,8 @@ def averaging_line(args: argparse.Namespace, averager: Averager) -> str:
     given)."""
     line = f"averaging: {averager.config} layout={'islands' if averager.islands else args.layout}"
     if averager.membership is not None and averager.islands:
-        line += " (each site a world of its own: DDP inside it, rounds across the sites that joined)"
+        inside = "FSDP2" if averager.sharded else "DDP"
+        line += f" (each site a world of its own: {inside} inside it, rounds across the sites that joined)"
     elif averager.sharded:
         line += " (FSDP2 inside each node, rounds of its shards across nodes)"
     elif getattr(args, "layout_chosen", False) and args.layout == "islands":
@@ -516,8 +517,8 @@ def layout(fabric: Fabric, args: argparse.Namespace) -> Layout:
     if args.layout == "flat" and not args.node_period:
         return Layout({}, {}, None)
     groups = node_groups(fabric)
-    if args.shard == "node":  # FSDP2 over the node's processes instead of DDP
-        return Layout({"shard": groups.node}, {"process_group": groups.across}, groups)
+    if args.shard == "node":  # FSDP2 over the node's processes instead of DDP; a live site: over its own world
+        return Layout({"shard": groups.node}, {} if args.coordinator else {"process_group": groups.across}, groups)
     if args.layout == "islands":
         return Layout({"process_group": groups.node}, {"process_group": groups.across}, groups)
     return Layout({}, {"node_period": args.node_period, "node_group": groups.node}, groups)

@@ -76,26 +76,22 @@ def check_placement(
     check_node_group(node_period, node_group)
     check_member(process_group, "Averager")
     check_member(node_group, "Averager")
+    shards = [check_replicated(module) for module in modules]
     if group_size(process_group) > 1:
-        for module in modules:
-            if not (is_instance(module, "wrappers._FabricModule") or ddp_of(module) is not None):
+        for module, shard in zip(modules, shards):
+            if not (shard or is_instance(module, "wrappers._FabricModule") or ddp_of(module) is not None):
                 raise TypeError(
                     f"Averager: module {type(module).__name__} was not set up; pass what setup_models or"
                     " fabric.setup_module returned, so that its gradients are synchronised during warm-up."
                 )
-    shards = [check_replicated(module) for module in modules]
     if any(shards):
-        if across_sites:
-            raise ValueError(
-                "Averager: `membership` does not take FSDP2 models yet (each site's shards would average with the"
-                " same shards of the others); set the models up with DDP inside the site, or leave out `membership`."
-            )
         if not all(shards) or node_period:
             raise ValueError(
                 "Averager: with FSDP2 models, shard every model (setup_models(..., shard=group) shards all) and"
                 " average across sites without `node_period` (a round inside a site has nothing to average)."
             )
-        site = check_sharded_layout(modules, process_group)
+        # a membership's: each site a world of its own, sharded over it; process i of each site holds shard i
+        site = _shard_group(modules[0]) if across_sites else check_sharded_layout(modules, process_group)
         return Placement(True, True, (), site)
     ddps = tuple(ddp for ddp in map(ddp_of, modules) if ddp is not None)
     islands = bool(ddps) if across_sites else islands_layout(ddps, process_group, node_period)
@@ -196,6 +192,11 @@ def check_replicated(module: nn.Module) -> bool:
             " needs DDP, single-device or FSDP2 (fully_shard) models: set them up with setup_models."
         )
     return False
+
+
+def _shard_group(module: nn.Module) -> ProcessGroup:
+    """The group an FSDP2 module's parameters are sharded over (its mesh's)."""
+    return next(iter(module.parameters())).device_mesh.get_group()  # type: ignore[attr-defined]
 
 
 def check_sharded_layout(modules: Sequence[nn.Module], group: ProcessGroup) -> ProcessGroup:

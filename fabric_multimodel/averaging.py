@@ -856,7 +856,7 @@ class Averager:
         membership = self.membership
         assert epoch.group is not None and membership is not None
         self.process_group = epoch.group
-        self._round.regroup(epoch.group, membership.failing, membership.agree)
+        self._round.regroup(epoch.group, membership.failing, membership.agree if membership.processes > 1 else None)
         failure: RuntimeError | None = None
         data, behind = None, False
         with self._round.storage.synced():
@@ -873,15 +873,15 @@ class Averager:
                 self.state_traffic = Traffic()
                 if source is None and self.steps == 0:
                     self.start_traffic += self._start_members()
-                elif source is not None and membership.local_rank == 0:
-                    data = self._state_bytes(source, ranks_behind, epoch.group)
+                elif source is not None and (membership.local_rank == 0 or self.sharded):
+                    data = self._state_bytes(source, ranks_behind, epoch.group)  # FSDP2: each process its shards
             except RuntimeError as error:  # a member was lost while the epoch began
                 failure = error
             if not membership.agree(failure is None):
                 reason = failure or "another process of this site lost a peer"
                 raise PeerError(f"Averager: epoch {epoch.number} could not begin: {reason}") from failure
         if behind:
-            if membership.processes > 1:  # the site's process 0 received it: the others' copy crosses no link
+            if membership.processes > 1 and not self.sharded:  # the others' copy of the site's replica crosses no link
                 data, _ = relay_bytes([(0, rank) for rank in range(1, membership.processes)], data, self._device)
             assert data is not None
             traffic = self.traffic
@@ -902,7 +902,7 @@ class Averager:
         payload = None
         if mine == source:
             buffer = io.BytesIO()
-            torch.save(self.state_dict(), buffer)
+            torch.save(_local_shards(self.state_dict()), buffer)
             payload = buffer.getvalue()
         data, size = relay_bytes([(source, rank) for rank in behind], payload, self._device, group=group)
         self.state_traffic = Traffic(size, size * (len(behind) if mine == source else 1))
@@ -920,6 +920,20 @@ class Averager:
                 # the first synchronous backward. Doing it here, on every rank at the same step, keeps
                 # that broadcast out of the local phase.
                 ddp._has_rebuilt_buckets = True
+
+
+def _local_shards(state: Any) -> Any:
+    """``state`` with each DTensor (an FSDP2 shard's, placed on its site's mesh) as its local tensor: what another
+    site's process holding the same shard loads (``load_state_dict`` takes either)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {key: _local_shards(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_local_shards(value) for value in state)
+    return state
 
 
 def _check_intact(intact: bool) -> None:

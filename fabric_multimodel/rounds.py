@@ -195,8 +195,8 @@ class Round:
         the send buffers and the transports are made for it again; anchors and outer state stay. Allocates one send
         buffer's worth at most, and issues no collective; no round may be in flight. ``abandon``: see
         :func:`~fabric_multimodel.collectives.wait_all`. ``agree(ok)``: whether every process of this rank's node
-        finished its slice (islands), asked once per round before the node's processes exchange their slices, so
-        that they merge a round, or drop it, together.
+        finished its part (islands, FSDP2 shards), asked once per round before its result is used, so that they
+        merge a round, or drop it, together.
 
         Example::
 
@@ -269,10 +269,14 @@ class Round:
         """What carries a round of ``part`` between the ranks: by default, a SUM allreduce of each payload buffer
         (with node slices: of this rank's slice of each; the header is the tail of the first, in the last slice)."""
         if self.slices == 1:
-            return _Sum(payload, self.group, self.world, self._abandon)
+            return self._agreed(_Sum(payload, self.group, self.world, self._abandon))
         mine = [self._slice(t) for t in payload]
         inner = _Sum([t for t in mine if t.numel()], self.group, self.world, self._abandon)
-        return _NodeSlices(inner, payload, self.node_group, self._agree)
+        return _NodeSlices(self._agreed(inner), payload, self.node_group)
+
+    def _agreed(self, transport: Any) -> Any:
+        """``transport``, agreed by the node's processes before its result is used (see :meth:`regroup`)."""
+        return transport if self._agree is None else _Agreed(transport, self._agree)
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``t`` among the node's processes."""
@@ -583,7 +587,8 @@ class DeltaRound(Round):
         )
         mean.abandon = self._abandon
         quantized = _Quantized(mean, mine, head)
-        return quantized if self.slices == 1 else _NodeSlices(quantized, [data], self.node_group, self._agree)
+        agreed = self._agreed(quantized)
+        return agreed if self.slices == 1 else _NodeSlices(agreed, [data], self.node_group)
 
     anchored = True
     state_keys: tuple[str, ...] = ("anchor",)
@@ -792,21 +797,10 @@ class _Quantized:
 class _NodeSlices:
     """Islands: ``inner`` carries this rank's slice of each payload tensor across the nodes; :meth:`finish` then
     broadcasts every slice from its owner to the node's other processes (one broadcast per slice, inside the node).
-    ``traffic`` is what crossed: ``inner``'s.
+    ``traffic`` is what crossed: ``inner``'s."""
 
-    With ``agree`` (a membership's sites), a failure of ``inner`` is kept until :meth:`finish`, which first asks
-    ``agree`` whether every process of the node finished its slice: each slice crosses in a group of its own, so
-    one process can see a peer lost where another finished, and the node must drop the round as one."""
-
-    def __init__(
-        self,
-        inner: Any,
-        whole: list[torch.Tensor],
-        node_group: ProcessGroup,
-        agree: Callable[[bool], bool] | None = None,
-    ) -> None:
-        self.inner, self.node_group, self.agree = inner, node_group, agree
-        self._failure: RuntimeError | None = None
+    def __init__(self, inner: Any, whole: list[torch.Tensor], node_group: ProcessGroup) -> None:
+        self.inner, self.node_group = inner, node_group
         owners = group_ranks(node_group)
         # Every slice of every payload tensor with the global rank that owns it (views made once, not per round).
         self._slices = [
@@ -830,6 +824,41 @@ class _NodeSlices:
         return self.inner.mean
 
     def start(self) -> None:
+        self.inner.start()
+
+    def exchange(self) -> None:
+        self.inner.exchange()
+
+    def finish(self) -> None:
+        self.inner.finish()
+        # All launched before the first wait, so the slices cross at once.
+        work = [dist.broadcast(piece, src=owner, group=self.node_group, async_op=True) for piece, owner in self._slices]
+        wait_all(work)
+
+
+class _Agreed:
+    """A membership's site of several processes (islands, FSDP2 shards): each process's part of a round crosses in a
+    group of its own, so one can see a peer lost where another finished. A failure of ``inner`` is kept until
+    :meth:`finish`, which then asks ``agree`` whether every process of the site finished its part: the site merges
+    the round, or drops it, as one (a :class:`PeerError` on each of its processes)."""
+
+    def __init__(self, inner: Any, agree: Callable[[bool], bool]) -> None:
+        self.inner, self.agree = inner, agree
+        self._failure: RuntimeError | None = None
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.inner.traffic
+
+    @property
+    def sums(self) -> bool:
+        return self.inner.sums
+
+    @property
+    def mean(self) -> QuantizedMean:
+        return self.inner.mean
+
+    def start(self) -> None:
         self._failure = None
         self._run(self.inner.start)
 
@@ -839,11 +868,8 @@ class _NodeSlices:
     def finish(self) -> None:
         self._run(self.inner.finish)
         failure, self._failure = self._failure, None
-        if self.agree is not None and not self.agree(failure is None):
-            raise failure or RuntimeError("another process of this node lost a peer in this round")
-        # All launched before the first wait, so the slices cross at once.
-        work = [dist.broadcast(piece, src=owner, group=self.node_group, async_op=True) for piece, owner in self._slices]
-        wait_all(work)
+        if not self.agree(failure is None):
+            raise failure or RuntimeError("another process of this site lost a peer in this round")
 
     def _run(self, phase: Callable[[], None]) -> None:
         if self._failure is not None:
@@ -851,8 +877,6 @@ class _NodeSlices:
         try:
             phase()
         except RuntimeError as error:
-            if self.agree is None:
-                raise
             self._failure = error
 
 

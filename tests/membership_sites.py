@@ -66,10 +66,11 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     """A process of a site training a small model with an Averager that takes ``membership``, for the run's
     ``steps`` (a site that joins late starts at the step it is given). A site of one process sets the model up with
     Lightning Fabric; with ``site_port``, the process is ``local_rank`` of a site of ``processes`` (a gloo world of
-    its own at that port, DDP inside it). ``options``: the Averager's (with ``outer_lr`` for DiLoCo's Nesterov SGD);
-    ``die_at``: exit abruptly before that step. Reports, under the site's name (``name/i`` from its process i > 0),
-    the epochs it saw, its final parameters' fingerprint, its steps, its membership wait and, per epoch entered, the
-    collectives of its start and the state bytes it received or sent."""
+    its own at that port, DDP inside it, or FSDP2 with ``shard``). ``options``: the Averager's (with ``outer_lr``
+    for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step. Reports, under the site's name
+    (``name/i`` from its process i > 0), the epochs it saw, its final parameters' fingerprint (FSDP2: its shard's),
+    its steps, its membership wait and, per epoch entered, the collectives of its start and the state bytes it
+    received or sent."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
 
@@ -105,7 +106,13 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{plan['site_port']}", rank=local_rank, world_size=plan["processes"]
         )
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        if plan.get("shard"):  # FSDP2 inside the site: process i holds shard i
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            model = fully_shard(model, mesh=init_device_mesh("cpu", (plan["processes"],)))
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         device: Any = SimpleNamespace(device=torch.device("cpu"))  # what the Averager asks of a Fabric
         backward = torch.Tensor.backward
@@ -137,7 +144,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
             time.sleep(plan.get("step_s", 0.0))
     result = {
         "epochs": epochs,
-        "params": tensors_fingerprint(model.parameters()),
+        "params": tensors_fingerprint([getattr(p, "_local_tensor", p) for p in model.parameters()]),  # FSDP2: shard
         "steps": averager.steps,
         "wait_s": averager.membership_wait_s,
         "loss": float(loss.detach()),

@@ -297,7 +297,7 @@ def test_single_process_communicates_nothing(tmp_path: Path, example, capsys) ->
         (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "x.pt"], "--resume x.pt: no such folder"),
         (["--steps", "many"], "'many'"),  # argparse's own errors are one line too
         (["--coordinator", "h:1", "--site", "a", "--period", "4", "--layout", "islands", "--devices", "2"], "--layout"),
-        (["--coordinator", "h:1", "--site", "a", "--period", "4", "--shard", "node", "--devices", "2"], "FSDP2"),
+        (["--coordinator", "h:1", "--site", "a", "--period", "4", "--node-period", "2", "--devices", "2"], "--node"),
         (["--coordinator", "h:1", "--site", "a#b", "--period", "4"], "--site NAME"),
     ],
 )

@@ -159,19 +159,25 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     assert [e for e, _ in finished["d"]["epochs"]] == [epochs[-1][0]]
 
 
-def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: str) -> None:
-    """Islands: sites of two processes (DDP inside each), each sending half of a streaming fp8 round across in a
-    group of its own, lose the first site and admit a new one; every process ends identical, and the new site's
-    state crosses the link once (to its process 0), not once per process."""
+@pytest.mark.parametrize("inside", ["ddp", "fsdp2"])
+def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: str, inside: str) -> None:
+    """Sites of two processes (islands: DDP inside each, each process sending half of a streaming fp8 round across
+    in a group of its own; or FSDP2, each process its shard) lose the first site and admit a new one; every process
+    ends as its peers (islands: all four identical; FSDP2: each shard as the other site's), and the new site's state
+    crosses the link once (islands: to its process 0), not once per process."""
     options = _diloco(fragments=2, overlap_steps=2, comm_dtype=torch.float8_e4m3fn)
-    run = f"islands{next(_runs)}"
-    common = {"run": run, "steps": 160, "options": options, "step_s": 0.01}
+    run = f"{inside}{next(_runs)}"
+    common = {"run": run, "steps": 160, "options": options, "step_s": 0.01, "shard": inside == "fsdp2"}
     plans = {name: {**common, "min_sites": 2, "die_at": 40 if name == "a" else None} for name in "ab"}
     reports = _run_sites(averaging_site, coordinator, plans, ("c", common), "a", processes=2)
 
     finished = {name: report for name, (report, _) in reports.items() if not name.startswith("a")}
     assert sorted(finished) == ["b", "b/1", "c", "c/1"]
-    assert len({r["params"] for r in finished.values()}) == 1, "the processes left the block with different models"
+    if inside == "fsdp2":  # shard i of each site alike; the two shards differ
+        assert finished["b"]["params"] == finished["c"]["params"] != finished["b/1"]["params"]
+        assert finished["b/1"]["params"] == finished["c/1"]["params"]
+    else:
+        assert len({r["params"] for r in finished.values()}) == 1, "the processes left the block with different models"
     for name, r in finished.items():
         assert r["steps"] == 160
         assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
@@ -184,7 +190,10 @@ def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: 
             assert "broadcast" not in start
     joined = {name: finished[name]["starts"] for name in ("c", "c/1")}
     assert [s["epoch"] for s in joined["c"]] == [s["epoch"] for s in joined["c/1"]] == [epochs[-1][0]]
-    assert joined["c"][0]["state_bytes"] > 0 and joined["c/1"][0]["state_bytes"] == 0  # the state crossed once
+    if inside == "fsdp2":  # each process received its own shards' state, about half of the model's each
+        assert joined["c"][0]["state_bytes"] > 0 and joined["c/1"][0]["state_bytes"] > 0
+    else:
+        assert joined["c"][0]["state_bytes"] > 0 and joined["c/1"][0]["state_bytes"] == 0  # the state crossed once
 
 
 def test_a_site_that_comes_after_the_run_finished_is_told_so_at_once(coordinator: str) -> None:
