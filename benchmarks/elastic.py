@@ -17,11 +17,13 @@ lines: the kill to the survivors' next epoch (training again, no process restart
 that takes the site back, the state it received, and the survivors' ``membership_wait_s``. ``--drop-site 0``
 drops the first site (live runs only: torchrun's site 0 hosts its rendezvous).
 
-With ``--churn EVERY:DOWN`` (3 sites x 1, 8,000 steps: about 5 minutes), sites come and go the whole run: every
+With ``--churn EVERY:DOWN`` (3 sites x 1, 10,000 steps: 5 to 7 minutes a run), sites come and go the whole run: every
 EVERY seconds one is killed and started again DOWN seconds later, under torchrun (from site 1: its site 0 hosts
 the rendezvous) and in live membership (from site 0), each beside its uninterrupted run. The training efficiency
 is the uninterrupted run's wall-clock over the churned one's, for the same steps: the steps made over the steps
-the uninterrupted rate would have made. On 2 cores fewer sites also train faster, which flatters both churned runs.
+the uninterrupted rate would have made. On 2 cores fewer sites also train faster, which flatters both churned runs,
+so the table also gives a survivor's seconds not training: torchrun's, from each kill and each return to its
+workers' next ``--resume auto`` line; live, its ``membership_wait_s``.
 
 Usage::
 
@@ -92,6 +94,7 @@ def live_run(args: Any, label: str, drop: Drop | None, churn: Churn | None = Non
         finals = {site: parse_final_line(texts[site], MEMBERSHIP_KEYS) for site in ended}
         row.update({k: float(v) for k, v in finals[ended[0]].items()})
         row["membership_wait_s"] = max(float(final["membership_wait_s"]) for final in finals.values())
+        row["not_training_s"] = row["membership_wait_s"]  # no process restarts: a survivor only waits
         row["losses"] = [float(final["val_loss"]) for final in finals.values()]
     survivor = ended[0] if ended else 0
     if drop is None or result.dropped_at is None:
@@ -164,6 +167,10 @@ def run(
         row.update({k: float(v) for k, v in parse_final_line(out, common.LM_KEYS).items()})
     resumes = [(int(s), int(w), float(t)) for s, w, t in RESUMED.findall(out)]
     row["resumes"], row["kills"] = resumes, len(result.churned)
+    if result.churned:  # the survivors stop at each kill and at each return: until their workers train again
+        events = [at for _, killed, back in result.churned for at in (killed, back) if at is not None]
+        again = [next((t for _, _, t in resumes if t > result.started + at), None) for at in events]
+        row["not_training_s"] = sum(t - (result.started + at) for t, at in zip(again, events) if t is not None)
     if join is not None and result.joined_at is not None:
         joined = result.started + result.joined_at
         grown = next(((s, w, t) for s, w, t in resumes if t > joined and w == 3 * args.devices), None)
@@ -259,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--join-at starts a third site: --sites 3")
     if args.drop_site == 0 and not args.live:
         p.error("--drop-site 0 needs --live: torchrun's site 0 hosts the rendezvous")
-    args.steps = args.steps or (600 if args.quick else 8000 if args.churn else 2000)
+    args.steps = args.steps or (600 if args.quick else 10000 if args.churn else 2000)
     if args.churn:
         every, _, down = args.churn.partition(":")
         churn = Churn(float(every), float(down))
@@ -393,6 +400,7 @@ def print_churn(args: Any, churn: Churn, rows: list[dict[str, Any]], info: dict[
         if changed.get("code") == 0 and base.get("code") == 0:
             # steps made over the steps the uninterrupted run makes in the same time (both make --steps)
             changed["efficiency"] = 100 * base["sites_wall_s"] / changed["sites_wall_s"]
+            changed["training_share"] = 100 * (1 - changed.get("not_training_s", 0.0) / changed["sites_wall_s"])
             if base.get("val_loss") and changed.get("val_loss"):
                 changed["loss_vs_uninterrupted"] = 100 * (changed["val_loss"] / base["val_loss"] - 1)
 
@@ -406,6 +414,8 @@ def print_churn(args: Any, churn: Churn, rows: list[dict[str, Any]], info: dict[
         ("sites killed (and started again)", "kills", "{}"),
         ("wall-clock s (the tool's, start to end)", "sites_wall_s", "{:.1f}"),
         ("training efficiency, % (uninterrupted wall / this wall)", "efficiency", "{:.1f}"),
+        ("a survivor's seconds not training (restarts; live: waits)", "not_training_s", "{:.1f}"),
+        ("a survivor's share of the wall-clock training, %", "training_share", "{:.1f}"),
         ("final validation loss", "val_loss", "{:.4f}"),
         ("loss vs uninterrupted, %", "loss_vs_uninterrupted", "{:+.2f}"),
         ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),

@@ -8,14 +8,9 @@ runs at every bandwidth as S sites of ``--devices`` processes each, one network 
   time times the steps) over this run's wall-clock, warm-up and rounds included.
 - **Wall-clock to target**: the first logged validation loss at or below the target (the synchronous run's
   loss at half its steps, unlimited link), read from the run's ``metrics.csv``; ``not reached`` is an answer.
-- **Cost model**: ``steps * t + sync_steps * G * f / R + rounds * max(0, P * f / R - hidden * t)``, where
-  ``t`` is the no-communication iteration time, ``G`` a synchronous step's gradient bytes per rank, ``P``
-  a round's bytes per rank, ``R`` the measured link rate, ``hidden`` the steps a round overlaps with, and
-  ``f`` how many times each rank's bytes cross one direction of the link: ``2 (W - 1) / W`` for a ring
-  allreduce over all W ranks (one link crossing per direction), ``2 (S - 1) / S`` for the islands layout
-  over S sites (each of a site's D processes sends its 1/D slice, so the link carries the payload once), and
-  the same for a quantized round (all-to-all plus
-  all-gather move what a ring does).
+- **Cost model**: ``fabric_multimodel.cost_model.run_seconds``, the library's one model (the planner's and
+  ``period="auto"``'s): the compute at the no-communication iteration time, a flat warm-up's gradients across
+  the link, each round's wait beyond its overlap, and the blocking end round, at the measured link rate.
 - **Runs-too-long guard**: a run the model predicts to exceed ``--run-budget`` seconds runs for fewer steps,
   and its row says so.
 """
@@ -27,10 +22,11 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from fabric_multimodel.cost_model import Setting, run_seconds
+
 LM_PARAMETER_BYTES = 218_496 * 4  # examples/lm_fabric.py at its defaults, fp32
 RING_PARAMETER_BYTES = 34_179 * 4  # examples/gan_fabric.py's ring GAN, generator and discriminator
 TCP_PAYLOAD = 0.957  # of a tbf rate, what TCP carries (measured by the sites tool at 10 mbit-1 gbit)
-QUANTIZED_BYTES = {"float8_e4m3fn": 0.266, "float4_e2m1fn_x2": 0.141}  # of fp32, scales included (measured)
 
 
 class SiteSetting(NamedTuple):
@@ -39,7 +35,7 @@ class SiteSetting(NamedTuple):
     flags: tuple[str, ...]
     hidden: int = 0  # steps a round overlaps with
     islands: bool = False
-    bytes_ratio: float = 1.0  # a round's bytes relative to the fp32 parameters
+    comm_dtype: str = "float32"  # what a round sends
     fragments: int = 1
     links: tuple[str, ...] = ()  # the bandwidths it runs at (empty: all)
 
@@ -62,7 +58,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
                 run(4, *islands, "--fragments", "2", "--overlap-steps", "1", "--comm-dtype", "float8_e4m3fn"),
                 hidden=1,
                 islands=True,
-                bytes_ratio=QUANTIZED_BYTES["float8_e4m3fn"],
+                comm_dtype="float8_e4m3fn",
                 fragments=2,
             ),
         ]
@@ -134,7 +130,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             run(128, *streaming, "--comm-dtype", "float4_e2m1fn_x2"),
             hidden=16,
             islands=True,
-            bytes_ratio=QUANTIZED_BYTES["float4_e2m1fn_x2"],
+            comm_dtype="float4_e2m1fn_x2",
             fragments=4,
             links=("none", "10mbit", "1mbit"),
         ),
@@ -144,7 +140,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             run(128, *islands, *streaming, "--comm-dtype", "bfloat16"),
             hidden=16,
             islands=True,
-            bytes_ratio=0.5,
+            comm_dtype="bfloat16",
             fragments=4,
             links=("10mbit",),  # beside the low-bit rows, where the link is what limits
         ),
@@ -154,7 +150,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             run(128, *islands, *streaming, "--comm-dtype", "float8_e4m3fn"),
             hidden=16,
             islands=True,
-            bytes_ratio=QUANTIZED_BYTES["float8_e4m3fn"],
+            comm_dtype="float8_e4m3fn",
             fragments=4,
         ),
         SiteSetting(
@@ -163,7 +159,7 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             run(128, *islands, *streaming, "--comm-dtype", "float4_e2m1fn_x2"),
             hidden=16,
             islands=True,
-            bytes_ratio=QUANTIZED_BYTES["float4_e2m1fn_x2"],
+            comm_dtype="float4_e2m1fn_x2",
             fragments=4,
         ),
     ]
@@ -191,14 +187,6 @@ def floor_setting(steps: int) -> SiteSetting:
     )
 
 
-def crossing_factor(setting: SiteSetting, sites: int, devices: int, synchronous: bool) -> float:
-    """How many times each rank's bytes cross one direction of a site's link (see the module docstring)."""
-    world = sites * devices
-    if setting.islands and not synchronous:  # the D processes of a site each send 1/D of the payload
-        return 2 * (sites - 1) / sites
-    return 2 * (world - 1) / world
-
-
 def predict_wall_s(
     setting: SiteSetting,
     *,
@@ -212,18 +200,18 @@ def predict_wall_s(
     parameter_bytes: int = LM_PARAMETER_BYTES,
 ) -> float:
     """The cost model's wall-clock for a run of ``steps`` (``rate_bits`` None: an unlimited link)."""
-    if rate_bits is None:
-        return steps * iter_s
-    if not period:  # synchronous DDP: every step's gradients cross the link
-        sync_steps, rounds = steps, 0
-    else:
-        sync_steps = 0 if setting.islands else min(warmup, steps)
-        rounds = max(0, steps - warmup) // period * setting.fragments + setting.fragments  # and leaving
-    sync_s = sync_steps * parameter_bytes * crossing_factor(setting, sites, devices, True) * 8 / rate_bits
-    payload = parameter_bytes * setting.bytes_ratio / setting.fragments
-    transfer = payload * crossing_factor(setting, sites, devices, False) * 8 / rate_bits
-    stall = max(0.0, transfer - setting.hidden * iter_s)
-    return steps * iter_s + sync_s + rounds * stall
+    planned = Setting(
+        parameter_bytes / 4,
+        iter_s,
+        period or None,
+        sites,
+        devices,
+        setting.fragments,
+        setting.hidden,
+        setting.comm_dtype,
+    )
+    crosses = bool(period) and not setting.islands
+    return run_seconds(planned, steps, rate_bits, warmup_steps=warmup, warmup_crosses=crosses)
 
 
 def time_to_target(metrics_csv: Path, target: float) -> float | None:

@@ -11,10 +11,8 @@ import functools
 import json
 import math
 import os
-import signal
 import statistics
 import sys
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,7 +22,6 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple, NoReturn
 
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
@@ -805,55 +802,6 @@ def fail(fabric: Fabric, message: str) -> NoReturn:
     if fabric.is_global_zero:
         print(line, file=sys.stderr, flush=True)
     raise SystemExit(2)
-
-
-class StopSignal:
-    """SIGTERM asks for a checkpoint and a clean stop; :meth:`requested` makes every rank agree on when.
-
-    Its clock is the step (:func:`clock`: with ``--pace speed``, the fastest site's step at the last round).
-    Every ``EVERY`` steps each rank launches a vote (one small allreduce of its flag) and reads the vote
-    launched ``LAG`` steps earlier: every rank stops at the same step, at most ``EVERY + LAG`` steps after the
-    signal (before: the next check after the next ``--log-every`` steps, 10 to 15 s on a 2000-step run). The
-    votes have a process group of their own, so they never queue behind a round in flight, and the lag
-    leaves them time to cross a slow link's queue: a read almost never waits.
-    """
-
-    EVERY, LAG = 4, 24
-
-    def __init__(self, fabric: Fabric) -> None:
-        self.received = False
-        # The votes in flight, oldest first: (the step it was launched at, the flag, its allreduce).
-        self._votes: list[tuple[int, torch.Tensor, Any]] = []
-        self._next_vote = 0
-        # gloo whatever the training's backend: the flags are a few bytes on the CPU, read on the CPU.
-        self._group = dist.new_group(backend="gloo") if fabric.world_size > 1 else None
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-
-    def requested(self, now: int) -> bool:
-        """Call it once per step on every rank with the :func:`clock`; True (on every rank at the same clock)
-        once any rank got SIGTERM."""
-        if self._group is None:
-            return self.received
-        verdict = bool(self._votes) and self._votes[0][0] + self.LAG <= now and self._count() > 0
-        if not verdict and now >= self._next_vote:
-            self._next_vote = now + self.EVERY
-            flag = torch.tensor([int(self.received)])
-            self._votes.append((now, flag, dist.all_reduce(flag, group=self._group, async_op=True)))
-        return verdict
-
-    def close(self) -> None:
-        """Wait for the votes in flight (every rank launched them): nothing may be left half-issued at the end."""
-        while self._votes:
-            self._count()
-
-    def _count(self) -> int:
-        _, flag, work = self._votes.pop(0)
-        work.wait()
-        return int(flag.item())
 
 
 class StartPhases:

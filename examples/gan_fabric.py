@@ -47,7 +47,6 @@ from common import (
     Parser,
     Progress,
     StartPhases,
-    StopSignal,
     add_averaging_arguments,
     add_run_arguments,
     averager_options,
@@ -75,7 +74,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Averager, RunEnded, frozen, setup_models
+from fabric_multimodel import Averager, PreemptionStop, RunEnded, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -241,7 +240,7 @@ def train(args: argparse.Namespace) -> int | None:
         resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    stop = StopSignal(fabric)
+    stop = PreemptionStop()  # SIGTERM: every rank stops at one step, after a checkpoint
 
     def save(step: int, sync: bool = True) -> Path:
         if averager is not None and sync and not checkpointer.local:

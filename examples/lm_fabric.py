@@ -61,7 +61,6 @@ from common import (
     Parser,
     Progress,
     StartPhases,
-    StopSignal,
     add_averaging_arguments,
     add_run_arguments,
     averager_options,
@@ -90,7 +89,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
-from fabric_multimodel import Averager, RunEnded, setup_models
+from fabric_multimodel import Averager, PreemptionStop, RunEnded, setup_models
 
 HELD_OUT = 0.05  # share of files (by path hash) kept for validation
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -440,7 +439,7 @@ def train(args: argparse.Namespace) -> int | None:
         resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
         grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    stop = StopSignal(fabric)
+    stop = PreemptionStop()  # SIGTERM: every rank stops at one step, after a checkpoint
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
     stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args))
     stream.position = state["data_position"]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from fabric_multimodel.groups import NodeGroups, node_groups
     from fabric_multimodel.membership import Epoch, Membership, RunEnded
     from fabric_multimodel.models import Models, ddp_of, setup_models
+    from fabric_multimodel.preemption import PreemptionStop
     from fabric_multimodel.replicas import SyncReport, average_models, replicas_in_sync
     from fabric_multimodel.rounds import AveragingError, NonFiniteError, PeerError
 
@@ -43,6 +44,7 @@ _HOMES = {
     "Models": "models",
     "ddp_of": "models",
     "setup_models": "models",
+    "PreemptionStop": "preemption",
     "SyncReport": "replicas",
     "average_models": "replicas",
     "replicas_in_sync": "replicas",
@@ -60,6 +62,7 @@ __all__ = [
     "NodeGroups",
     "NonFiniteError",
     "PeerError",
+    "PreemptionStop",
     "Replica",
     "RunEnded",
     "SyncReport",

@@ -41,15 +41,16 @@ def all_gather_single(
     return getattr(dist, ALL_GATHER_SINGLE)(output, input, group=group, async_op=async_op)
 
 
-def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
-    """A process group of ``ranks``, or None on a rank outside it. Every rank calls it for every group, in the
-    same order (``torch.distributed.new_group``, whose return type also admits a non-member sentinel).
+def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup | None:
+    """A process group of ``ranks`` (of ``backend``; None: the default group's), or None on a rank outside it.
+    Every rank calls it for every group, in the same order (``torch.distributed.new_group``, whose return type
+    also admits a non-member sentinel).
 
     Example::
 
         node = new_group([0, 1])  # on ranks 2 and 3: None
     """
-    group = dist.new_group(list(ranks))
+    group = dist.new_group(list(ranks), backend=backend)
     return group if isinstance(group, dist.ProcessGroup) else None
 
 

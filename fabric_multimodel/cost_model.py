@@ -141,9 +141,11 @@ def payload_bytes(setting: Setting, assumptions: Assumptions = LIBRARY) -> float
 
 
 def wire_bytes(setting: Setting, assumptions: Assumptions = LIBRARY) -> float:
-    """Bytes a round puts on each site's link: ``2 (W - 1) / W`` of its payload."""
-    sites = assumptions.ring_sites or setting.sites
-    return payload_bytes(setting, assumptions) * 2 * (sites - 1) / sites
+    """Bytes a round puts on each site's link: ``2 (W - 1) / W`` of its payload, for ``W`` sites (rounds: a site's
+    processes send their slices of one payload) or every process (synchronous DDP: one ring over all of them, each
+    of its edges that leaves a site carrying that much)."""
+    ranks = assumptions.ring_sites or setting.sites * (setting.devices if setting.period is None else 1)
+    return payload_bytes(setting, assumptions) * 2 * (ranks - 1) / ranks
 
 
 def round_seconds(setting: Setting, rate: float, assumptions: Assumptions = LIBRARY) -> float:
@@ -162,7 +164,7 @@ def round_seconds(setting: Setting, rate: float, assumptions: Assumptions = LIBR
 def round_wait(setting: Setting, rate: float, assumptions: Assumptions = LIBRARY) -> float:
     """Seconds one round adds to the run's wall-clock: what does not hide behind the compute."""
     seconds = round_seconds(setting, rate, assumptions)
-    hidden = setting.overlap_steps * setting.step_s
+    hidden = setting.overlap_steps * setting.step_s if setting.period is not None else 0.0
     if setting.period is None or assumptions.rounds_in_backward:
         # The bytes leave in buckets as the backward frees them: what is left at its end is what the link has not
         # sent yet, and at least the last bucket.
@@ -189,6 +191,35 @@ def utilisation(setting: Setting, rate: float | None, assumptions: Assumptions =
     # The link carries one round at a time, and never two: a round that outlasts its overlap is waited for at its
     # merge, and the next fragment's launches at least a step later.
     return compute / (compute + rounds * round_wait(setting, rate, assumptions))
+
+
+def run_seconds(
+    setting: Setting,
+    steps: int,
+    rate: float | None,
+    assumptions: Assumptions = LIBRARY,
+    warmup_steps: int = 0,
+    warmup_crosses: bool = False,
+) -> float:
+    """The wall-clock of a whole run of ``steps``: the compute; a warm-up of synchronous DDP that crosses the link
+    (``warmup_crosses``: the flat layout; islands warm up inside each site); each round's wait; and the end, a
+    blocking round of every fragment (nothing to hide it behind).
+
+    Example::
+
+        run_seconds(Setting(params=218_496, step_s=0.015, period=128, fragments=4, overlap_steps=16), 2000, 10e6)
+    """
+    compute = steps * setting.step_s
+    if rate is None:
+        return compute
+    if setting.period is None:
+        return compute + steps * round_wait(setting, rate, assumptions)
+    warm = min(warmup_steps, steps)
+    synchronous = setting.replace(period=None, overlap_steps=0, fragments=1)
+    synced = warm * round_wait(synchronous, rate, assumptions) if warmup_crosses else 0.0
+    rounds = (steps - warm) // setting.period * setting.fragments
+    end = setting.fragments * round_seconds(setting, rate, assumptions)
+    return compute + synced + rounds * round_wait(setting, rate, assumptions) + end
 
 
 def period_for(step_s: float, wait_s: float, fragments: int, overlap_steps: int, target: float) -> int:

@@ -22,6 +22,7 @@ from fabric_multimodel.cost_model import (
     recommend,
     round_seconds,
     round_wait,
+    run_seconds,
     utilisation,
     wire_bytes,
 )
@@ -99,7 +100,7 @@ def test_a_recommendation_reaches_the_target_and_no_shorter_period_does(
 
 @given(
     step_s=st.floats(1e-3, 1.0),
-    round_s=st.floats(0.0, 100.0),
+    round_s=st.one_of(st.just(0.0), st.floats(1e-6, 100.0)),
     fragments=st.sampled_from([1, 2, 4]),
     overlap=st.integers(0, 16),
 )
@@ -116,6 +117,28 @@ def test_period_auto_and_the_plan_agree(step_s: float, round_s: float, fragments
         assert utilisation(setting.replace(period=period - fragments), rate) < 1 / 1.05
 
 
+@given(
+    periods=st.integers(1, 50),
+    fragments=st.sampled_from([1, 2, 4]),
+    overlap=st.integers(0, 4),
+    warmup=st.integers(0, 30),
+    rate=st.floats(1e5, 1e9),
+)
+def test_a_whole_run_is_its_steady_state_plus_its_warm_up_and_its_end(
+    periods: int, fragments: int, overlap: int, warmup: int, rate: float
+) -> None:
+    setting = Setting(218_496, 0.015, fragments * (overlap + 1) * 2, fragments=fragments, overlap_steps=overlap)
+    steps = warmup + periods * setting.period
+    end = fragments * round_seconds(setting, rate)  # blocking: the end hides behind nothing
+    islands = run_seconds(setting, steps, rate, warmup_steps=warmup)
+    local = periods * setting.period * setting.step_s
+    assert islands - end == pytest.approx(warmup * setting.step_s + local / utilisation(setting, rate))
+    flat = run_seconds(setting, steps, rate, warmup_steps=warmup, warmup_crosses=True)
+    synced = Setting(218_496, 0.015, None)
+    assert flat - islands == pytest.approx(warmup * round_wait(synced, rate))
+    assert run_seconds(setting, steps, None) == steps * setting.step_s
+
+
 def test_a_low_bit_round_carries_its_block_scales() -> None:
     """Bytes per element: fp32 4, bf16 2, fp8 1 + 2/32, fp4 0.5 + 2/32 (a bf16 scale per 32); 2 sites send all
     of a payload once, 4 sites 1.5 times (a ring's 2 (W - 1) / W)."""
@@ -123,6 +146,8 @@ def test_a_low_bit_round_carries_its_block_scales() -> None:
     for payload, per_element in (("fp32", 4), ("bf16", 2), ("fp8", 1.0625), ("fp4", 0.5625)):
         assert wire_bytes(base.replace(comm_dtype=payload)) == 32_000 * per_element
     assert wire_bytes(base.replace(sites=4)) == 1.5 * 32_000 * 4
+    # synchronous DDP: one ring over all 4 processes of 2 sites, each edge leaving a site carrying 1.5x
+    assert wire_bytes(base.replace(period=None, devices=2)) == 1.5 * 32_000 * 4
     assert wire_bytes(base.replace(fragments=4)) == 32_000 * 4 / 4
 
 
