@@ -122,7 +122,7 @@ def _membership(text: str) -> list[dict[str, Any]]:
     """The ``membership:`` lines of a site's output, with their numbers as numbers."""
     lines = []
     for line in text.splitlines():
-        if line.startswith("membership:"):
+        if line.startswith("membership: epoch="):
             fields = dict(field.split("=", 1) for field in line.split()[1:])
             lines.append({**fields, "time": float(fields["time"]), "state_bytes": int(fields["state_bytes"])})
     return lines

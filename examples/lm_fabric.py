@@ -414,7 +414,7 @@ def train(args: argparse.Namespace) -> int | None:
     try:
         averager = Averager(fabric, model, **options, **join_options(fabric, args)) if options else None
     except RunEnded as error:  # a site started after the run's last round: nothing to join
-        fabric.print(f"membership: {error}")
+        fabric.print(f"run ended: {error}")
         return 0
     phases.mark("averager")
     if averager is not None:
