@@ -425,8 +425,11 @@ def main(argv: list[str] | None = None) -> None:
         default="cpu",
         help="where the ranks' tensors live (default: cpu); cuda: every rank on the first GPU, over gloo",
     )
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models to time")
+    p.add_argument(
+        "--models", nargs="+", choices=MODELS, default=None, help="the models to time (default: all; quick: mlp400)"
+    )
     args = p.parse_args(argv)
+    args.models = args.models or (["mlp400"] if args.quick else list(MODELS))
     args.world_sizes = args.world_sizes or ([2] if args.quick else [2, 4])
     repeats = args.repeats or (3 if args.quick else 60)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)

@@ -94,12 +94,12 @@ def test_averaging_cost_quick(tmp_path):
     stdout = run_script("averaging_cost", tmp_path)
     assert "Machine:" in stdout
     summary, memory, details = markdown_tables(stdout)
-    assert len(summary) == len(memory) == 2  # 2 models x world size 2 (quick)
+    assert len(summary) == len(memory) == 1  # 1 model x world size 2 (quick)
     ours = ("ours", "ours-nocheck", "ours-bf16", "ours-diloco", "ours-diloco-bf16")
     quantized = {"ours-diloco-fp8": 0.27, "ours-diloco-fp4": 0.15}  # bytes of fp32's, at most
     methods = ("floor", "floor+div", "floor-adam", *ours, "ours-adam", *quantized, "pytorch", "per-tensor")
     cases = {(row["model"], row["ranks"], row["method"]): row for row in details}
-    assert set(cases) == {(m, "2", k) for m in ("dcgan", "mlp400") for k in methods}
+    assert set(cases) == {("mlp400", "2", k) for k in methods}
     for row in details:
         assert number(row["median ms"]) > 0 and int(row["in a row"]) >= 1
         assert math.isfinite(number(row["ratio to floor"])) and math.isfinite(number(row["paired ratio"]))
@@ -111,7 +111,7 @@ def test_averaging_cost_quick(tmp_path):
     rows = read_csv(tmp_path / "averaging_cost.csv")
     assert len(rows) == len(cases)
     by_case = {(r["model"], r["ranks"], r["method"]): r for r in rows}
-    for model in ("dcgan", "mlp400"):
+    for model in ("mlp400",):
         for ranks in ("2",):
             floor, pytorch = by_case[(model, ranks, "floor")], by_case[(model, ranks, "pytorch")]
             per_tensor = by_case[(model, ranks, "per-tensor")]
@@ -142,10 +142,6 @@ def test_averaging_cost_quick(tmp_path):
             assert int(per_tensor["allreduce_calls"]) == int(floor["tensors"])
             # PyTorch concatenates a copy of the whole model.
             assert int(pytorch["extra_bytes"]) >= 4 * n
-    assert (int(by_case[("dcgan", "2", "floor")]["params"]), int(by_case[("dcgan", "2", "floor")]["tensors"])) == (
-        6_085_888,
-        18,
-    )
     assert (int(by_case[("mlp400", "2", "floor")]["params"]), int(by_case[("mlp400", "2", "floor")]["tensors"])) == (
         832_000,
         400,

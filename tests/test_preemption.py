@@ -54,7 +54,7 @@ def _stop_after_signal(fabric, signalled_rank: int, at: int, every: int, lag: in
     return step, counted["all_reduce"]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     signalled_rank=st.integers(0, 1),
     at=st.integers(1, 60),
