@@ -794,22 +794,11 @@ class _Quantized:
         self.mean.finish()
 
 
-class _NodeSlices:
-    """Islands: ``inner`` carries this rank's slice of each payload tensor across the nodes; :meth:`finish` then
-    broadcasts every slice from its owner to the node's other processes (one broadcast per slice, inside the node).
-    ``traffic`` is what crossed: ``inner``'s."""
+class _Wrapping:
+    """A transport around ``inner``: what crossed and what the payload holds after it are ``inner``'s."""
 
-    def __init__(self, inner: Any, whole: list[torch.Tensor], node_group: ProcessGroup) -> None:
-        self.inner, self.node_group = inner, node_group
-        owners = group_ranks(node_group)
-        # Every slice of every payload tensor with the global rank that owns it (views made once, not per round).
-        self._slices = [
-            (t[start:end], owner)
-            for t in whole
-            for k, owner in enumerate(owners)
-            for start, end in [_bounds(t.numel(), len(owners), k)]
-            if end > start
-        ]
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
 
     @property
     def traffic(self) -> Traffic:
@@ -822,6 +811,25 @@ class _NodeSlices:
     @property
     def mean(self) -> QuantizedMean:
         return self.inner.mean
+
+
+class _NodeSlices(_Wrapping):
+    """Islands: ``inner`` carries this rank's slice of each payload tensor across the nodes; :meth:`finish` then
+    broadcasts every slice from its owner to the node's other processes (one broadcast per slice, inside the node).
+    ``traffic`` is what crossed: ``inner``'s."""
+
+    def __init__(self, inner: Any, whole: list[torch.Tensor], node_group: ProcessGroup) -> None:
+        super().__init__(inner)
+        self.node_group = node_group
+        owners = group_ranks(node_group)
+        # Every slice of every payload tensor with the global rank that owns it (views made once, not per round).
+        self._slices = [
+            (t[start:end], owner)
+            for t in whole
+            for k, owner in enumerate(owners)
+            for start, end in [_bounds(t.numel(), len(owners), k)]
+            if end > start
+        ]
 
     def start(self) -> None:
         self.inner.start()
@@ -836,27 +844,16 @@ class _NodeSlices:
         wait_all(work)
 
 
-class _Agreed:
+class _Agreed(_Wrapping):
     """A membership's site of several processes (islands, FSDP2 shards): each process's part of a round crosses in a
     group of its own, so one can see a peer lost where another finished. A failure of ``inner`` is kept until
     :meth:`finish`, which then asks ``agree`` whether every process of the site finished its part: the site merges
     the round, or drops it, as one (a :class:`PeerError` on each of its processes)."""
 
     def __init__(self, inner: Any, agree: Callable[[bool], bool]) -> None:
-        self.inner, self.agree = inner, agree
+        super().__init__(inner)
+        self.agree = agree
         self._failure: RuntimeError | None = None
-
-    @property
-    def traffic(self) -> Traffic:
-        return self.inner.traffic
-
-    @property
-    def sums(self) -> bool:
-        return self.inner.sums
-
-    @property
-    def mean(self) -> QuantizedMean:
-        return self.inner.mean
 
     def start(self) -> None:
         self._failure = None
