@@ -10,8 +10,8 @@ the next one starts), all of them within ``--budget-s``:
    ``average_models`` round and Averager runs (plain, bf16, DiLoCo, overlapped DiLoCo, fp8, fp4,
    fragments; and FSDP2 inside sites of two ranks with DiLoCo over the shards), each checked for bitwise
    identical replicas and for ``averager.traffic.bytes`` equal
-   to the bytes of the collectives it issued (``all_reduce`` and ``all_to_all_single`` inputs; the
-   all-gather (``all_gather_single``) returns a 1/W share of the latter, also checked).
+   to the bytes of the collectives it issued (``all_reduce`` and ``all_to_all_messages`` inputs; the
+   all-gather (``all_gather_messages``) returns a 1/W share of the latter, also checked).
 3. ``nccl``: the same over NCCL, one process per GPU (2 with two GPUs; with one GPU a world of one,
    where the collectives still run, ``ReduceOp.AVG`` included, and the rounds take their code paths).
 4. ``gan`` and ``lm``: ``examples/gan_fabric.py`` and ``examples/lm_fabric.py`` for 300 steps on cuda,
@@ -430,7 +430,7 @@ def mode_table(worlds: list[dict[str, Any]]) -> str:
             status = "ok" if m["ok"] else f"**{m.get('error') or m.get('problem') or 'failed'}**"
             rows.append(
                 [m["name"], world["size"], status, m.get("rounds", "-"), m.get("traffic_bytes", "-")]
-                + [ops.get(op, [0, 0])[1] for op in ("all_reduce", "all_to_all_single", "all_gather_single")]
+                + [ops.get(op, [0, 0])[1] for op in ("all_reduce", "all_to_all_messages", "all_gather_messages")]
                 + [m.get("in_sync", "-"), f"{m.get('seconds', 0):.2f}"]
             )
     return markdown_table(headers, rows)
@@ -741,10 +741,11 @@ def _barrier() -> None:
 
 
 class Collectives:
-    """Wraps torch.distributed's collectives: counts calls and input bytes while ``counting``, and names the call
-    that raised (at launch or at its handle's ``wait()``)."""
+    """Wraps the collectives (torch's all-reduce and broadcast, the library's all-to-all and all-gather): counts
+    calls and input bytes while ``counting``, and names the call that raised (at launch or at its handle's
+    ``wait()``)."""
 
-    NAMES = ("all_reduce", "all_to_all_single", "all_gather_single", "broadcast")
+    NAMES = ("all_reduce", "all_to_all_messages", "all_gather_messages", "broadcast")
 
     def __init__(self) -> None:
         self.counting = False
@@ -755,22 +756,23 @@ class Collectives:
     def installed(self) -> Iterator[Collectives]:
         import torch.distributed as dist
 
-        from fabric_multimodel.collectives import ALL_GATHER_SINGLE
+        from fabric_multimodel import collectives
 
-        # The all-gather goes by the name this torch has for it (all_gather_into_tensor before 2.13).
-        attributes = {name: ALL_GATHER_SINGLE if name == "all_gather_single" else name for name in self.NAMES}
-        saved = {name: getattr(dist, attributes[name]) for name in self.NAMES}
+        # A payload's all-to-all and all-gather are the library's (point-to-point messages on gloo), the rest torch's.
+        ours = ("all_to_all_messages", "all_gather_messages")
+        modules = {name: collectives if name in ours else dist for name in self.NAMES}
+        saved = {name: getattr(modules[name], name) for name in self.NAMES}
         for name, original in saved.items():
-            setattr(dist, attributes[name], self._wrap(name, original))
+            setattr(modules[name], name, self._wrap(name, original))
         try:
             yield self
         finally:
             for name, original in saved.items():
-                setattr(dist, attributes[name], original)
+                setattr(modules[name], name, original)
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            sent = args[1] if name in ("all_to_all_single", "all_gather_single") else args[0]
+            sent = args[1] if name in ("all_to_all_messages", "all_gather_messages") else args[0]
             if self.counting:
                 self.ops[name][0] += 1
                 self.ops[name][1] += sent.numel() * sent.element_size()
@@ -817,9 +819,9 @@ def round_checked(fabric: Any, options: dict[str, Any] | None, spec: dict[str, A
         entry = {"ok": False, "error": collectives.failure or describe(error), "seconds": time.perf_counter() - start}
         return {**entry, "ops": collectives.ops, "traceback": traceback.format_exc()[-2000:]}
     ops = collectives.ops
-    sent = ops["all_reduce"][1] + ops["all_to_all_single"][1]
+    sent = ops["all_reduce"][1] + ops["all_to_all_messages"][1]
     found["traffic_matches"] = found["traffic_bytes"] == sent
-    found["gather_matches"] = ops["all_gather_single"][1] * found["ranks"] == ops["all_to_all_single"][1]
+    found["gather_matches"] = ops["all_gather_messages"][1] * found["ranks"] == ops["all_to_all_messages"][1]
     problems = [
         text
         for failed, text in (

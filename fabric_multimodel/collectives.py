@@ -8,6 +8,7 @@ group of one rank, they issue none.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
@@ -39,6 +40,107 @@ def all_gather_single(
         all_gather_single(everyone, torch.tensor([float(dist.get_rank())]))
     """
     return getattr(dist, ALL_GATHER_SINGLE)(output, input, group=group, async_op=async_op)
+
+
+def all_to_all_messages(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, async_op: bool = False
+) -> Any:
+    """Shard ``j`` of ``input`` to rank ``j``, and rank ``j``'s shard for this rank into shard ``j`` of ``output``
+    (``world`` equal shards each): an all-to-all, sent as point-to-point messages on gloo (:func:`_messages`),
+    torch's ``all_to_all_single`` elsewhere. For payloads that cross a slow link.
+
+    Example::
+
+        received = torch.empty_like(shards)
+        all_to_all_messages(received, shards)
+    """
+    world = group_size(group)
+    if world > 1 and _over_gloo(input, group):
+        rank, sent, into = group_rank(group), input.view(world, -1), output.view(world, -1)
+        into[rank].copy_(sent[rank])
+        peers = _peers(rank, world)
+        return _messages([(sent[p], p) for p in peers], [(into[p], p) for p in peers], group, async_op)
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+def all_gather_messages(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, async_op: bool = False
+) -> Any:
+    """Every rank's ``input`` side by side in ``output``: an all-gather, sent as point-to-point messages on gloo
+    (:func:`_messages`), :func:`all_gather_single` elsewhere. For payloads that cross a slow link.
+
+    Example::
+
+        everyone = torch.empty(world * shard.numel(), dtype=shard.dtype)
+        all_gather_messages(everyone, shard)
+    """
+    world = group_size(group)
+    if world > 1 and _over_gloo(input, group):
+        rank, into = group_rank(group), output.view(world, -1)
+        into[rank].copy_(input.view(-1))
+        peers = _peers(rank, world)
+        return _messages([(input.view(-1), p) for p in peers], [(into[p], p) for p in peers], group, async_op)
+    return all_gather_single(output, input, group=group, async_op=async_op)
+
+
+class Messages:
+    """The point-to-point messages of one exchange (:func:`_messages`) as one work handle.
+
+    Gloo's handles of messages say they are complete only once waited for, so a thread waits for them, and
+    :meth:`is_completed` asks whether it is done (:func:`wait_all` polls it between looks at whether to abandon).
+    """
+
+    def __init__(self, work: list[dist.Work]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._wait_for, args=(work,), name="fmm-messages", daemon=True)
+        self._thread.start()
+
+    def _wait_for(self, work: list[dist.Work]) -> None:
+        try:
+            for w in work:
+                w.wait()
+        except BaseException as error:  # a lost peer: raised again by wait() in the caller's thread
+            self._error = error
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> bool:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+def _messages(
+    sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]], group: ProcessGroup, async_op: bool
+) -> Messages | None:
+    """Post every receive, then every send (peers as ranks of ``group``); wait for them unless ``async_op``.
+
+    Why not gloo's own all-to-all and all-gather: across a link of limited rate, the two back to back (a low-bit
+    round) took 1.54x their bytes over the rate (a 232 kB round at 3 Mbit/s: 951 ms, in every run), these messages
+    1.05x (654 ms), as gloo's segmented allreduce; with the sends posted first 1.29x (benchmarks/README.md,
+    link_rate.py).
+    """
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    work = [pg.recv([t], peer, 0) for t, peer in receives] + [pg.send([t], peer, 0) for t, peer in sends]
+    if async_op:
+        return Messages(work)
+    for w in work:
+        w.wait()
+    return None
+
+
+def _peers(rank: int, world: int) -> list[int]:
+    """The other ranks, from the next one round: every rank sends to a different peer first."""
+    return [(rank + i) % world for i in range(1, world)]
+
+
+def _over_gloo(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+    """True when ``group`` carries ``tensor`` over gloo (a group may hold gloo for CPU and NCCL for CUDA)."""
+    pg = group if group is not None else dist.group.WORLD
+    return pg is not None and pg._get_backend(tensor.device).name() == "gloo"
 
 
 def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup | None:

@@ -3,13 +3,15 @@
 A flat fp32 payload is cut into blocks of ``block_size`` elements; each block is sent as codes in
 ``float8_e4m3fn``, ``float8_e5m2`` or E2M1 (``float4_e2m1fn_x2``, two codes per byte) and one
 bfloat16 scale: 0.27x (fp8) or 0.14x (fp4) of the bytes of an fp32 allreduce. A round
-is a reduce-scatter and an all-gather built from two uint8 collectives (gloo cannot reduce 8-bit
-floats, and summing codes would overflow them anyway):
+is a reduce-scatter and an all-gather built from two uint8 exchanges (gloo cannot reduce 8-bit
+floats, and summing codes would overflow them anyway), point-to-point messages on gloo
+(:func:`~fabric_multimodel.collectives.all_to_all_messages`: they keep a slow link busy) and torch's
+collectives elsewhere:
 
 1. every rank quantizes its payload, cut into ``world`` shards of whole blocks, and
-   ``all_to_all_single`` sends shard ``j`` (codes, scales, a slice of the exact channel) to rank ``j``;
+   the all-to-all sends shard ``j`` (codes, scales, a slice of the exact channel) to rank ``j``;
 2. rank ``j`` dequantizes the ``world`` versions of its shard, sums them in fp32 in rank order,
-   divides by ``world``, quantizes that mean again, and an all-gather (``all_gather_single``) hands every rank
+   divides by ``world``, quantizes that mean again, and an all-gather hands every rank
    every quantized mean shard;
 3. every rank dequantizes the gathered bytes into the payload: every replica holds bitwise the same mean.
 
@@ -52,12 +54,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
+from fabric_multimodel import collectives
 from fabric_multimodel.collectives import (
     ProcessGroup,
     Traffic,
-    all_gather_single,
     check_member,
     group_rank,
     group_size,
@@ -505,7 +506,7 @@ class QuantizedMean:
             self._exact[: self.exact_numel].copy_(exact_flat)
         layout.exact(send).copy_(self._exact.view(self.world, -1))
         if self.world > 1:
-            self._handle = dist.all_to_all_single(self._received, send, group=self.group, async_op=True)
+            self._handle = collectives.all_to_all_messages(self._received, send, group=self.group, async_op=True)
         self._payload, self._exact_out, self._phase = flat, exact_flat, _SENT
 
     def exchange(self) -> None:
@@ -527,7 +528,7 @@ class QuantizedMean:
             codec.encode(total, mean_codes[:, lo:hi], mean_scales[:, lo:hi])
         torch.sum(layout.exact(self._received), dim=0, out=layout.exact(self._mean)[0])
         if self.world > 1:
-            self._handle = all_gather_single(self._send, self._mean, group=self.group, async_op=True)
+            self._handle = collectives.all_gather_messages(self._send, self._mean, group=self.group, async_op=True)
         self._phase = _GATHERING
 
     def finish(self) -> None:

@@ -300,7 +300,7 @@ def test_gpu_check_dry_run_reports_every_step_ok(tmp_path):
         rounds = {mode["name"]: mode for mode in world["modes"]}
         assert len(rounds) == 10 and all(r["ok"] and r["in_sync"] and r["traffic_matches"] for r in rounds.values())
         quantized = rounds["fp4-diloco-fragments2-ef"]["ops"]
-        assert (quantized["all_reduce"][0] == 0) and (quantized["all_to_all_single"][0] > 0) == (ranks > 1)
+        assert (quantized["all_reduce"][0] == 0) and (quantized["all_to_all_messages"][0] > 0) == (ranks > 1)
         sharded = rounds["fsdp2-diloco-fp8-fragments2"]  # FSDP2 over sites of one rank in a world this small
         assert sharded["rounds"] > 0 and sharded["ranks"] == ranks
     # The gloo world shares one device: every rank is a node of one device to Fabric.
@@ -347,3 +347,21 @@ def test_averaging_period_across_sites_quick(tmp_path):
     assert (tmp_path / "averaging_period_lm_sites.png").is_file()
     assert len(table) == 2 and table[0]["link"].startswith("10mbit")
     assert all(row["at equal wall-clock"].endswith(" s)") for row in table)
+
+
+def test_link_rate_quick(tmp_path):
+    """Two simulated sites behind 10 mbit (real namespaces): a round of each payload, with the bytes it sends and
+    its time against those bytes over the rate (which the link makes a floor: no round beats it by much)."""
+    stdout = run_script("link_rate", tmp_path)
+    (table,) = markdown_tables(stdout)
+    rows = {row["payload"]: row for row in read_csv(tmp_path / "link_rate.csv")}
+    assert list(rows) == ["fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", "fp8 bytes, one way"]
+    sent = {name: int(row["sent_bytes"]) for name, row in rows.items()}
+    assert sent["fp32"] == 4 * 20_000 and sent["bf16"] == 2 * 20_000  # 2 sites: a ring sends the payload once
+    assert sent["fp8"] == sent["fp8, gloo collectives"] == sent["fp8 bytes, one way"] < 0.27 * sent["fp32"]
+    assert sent["fp4"] < 0.55 * sent["fp8"]
+    for row in rows.values():
+        assert row["bandwidth"] == "10mbit" and row["sites"] == "2"
+        assert float(row["bytes_over_rate_ms"]) == pytest.approx(int(row["sent_bytes"]) * 8 / 1e7 * 1e3, abs=0.1)
+        assert float(row["ratio"]) > 0.9, row  # the link limits every round
+    assert [row["payload"] for row in table] == list(rows)

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabric_multimodel import Averager, NonFiniteError, replicas_in_sync, setup_models
-from fabric_multimodel.collectives import ALL_GATHER_SINGLE
+from fabric_multimodel import Averager, NonFiniteError, collectives, replicas_in_sync, setup_models
 from fabric_multimodel.quantized import relative_error
 from tests.gan import mlp
 from tests.worlds import errors_of, in_step
@@ -35,24 +34,24 @@ def local_update(fabric, module, step: int) -> None:
 
 
 def counted(calls: list[tuple[str, int, int]]):
-    """Wrap the collectives a quantized round uses, recording (name, step, bytes)."""
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", ALL_GATHER_SINGLE)}
+    """Wrap the collectives a quantized round uses, recording (name, step, bytes): torch's all-reduce, the
+    library's all-to-all and all-gather (messages on gloo)."""
+    places = {"all_reduce": dist, "all_to_all_messages": collectives, "all_gather_messages": collectives}
+    originals = {name: getattr(module, name) for name, module in places.items()}
     step = [0]
 
     def wrap(name):
         def call(*args, **kwargs):
-            tensor = args[1] if name == "all_to_all_single" else args[0]
-            if name == ALL_GATHER_SINGLE:
-                tensor = args[1]  # what this rank contributes
+            tensor = args[1] if name != "all_reduce" else args[0]  # what this rank sends or contributes
             if step[0] is not None:  # None: the test's own checks
                 calls.append((name, step[0], tensor.numel() * tensor.element_size()))
             return originals[name](*args, **kwargs)
 
         return call
 
-    for name in originals:
-        setattr(dist, name, wrap(name))
-    return originals, step
+    for name, module in places.items():
+        setattr(module, name, wrap(name))
+    return places, originals, step
 
 
 def lowbit_rounds(fabric, code, overlap, fragments, outer):
@@ -63,7 +62,7 @@ def lowbit_rounds(fabric, code, overlap, fragments, outer):
     averager = Averager(
         fabric, m, period=8, comm_dtype=getattr(torch, code), overlap_steps=overlap, fragments=fragments, **options
     )
-    originals, step_now = counted(calls)
+    places, originals, step_now = counted(calls)
     identical = []
     try:
         with averager:
@@ -77,7 +76,7 @@ def lowbit_rounds(fabric, code, overlap, fragments, outer):
             step_now[0] = -1  # leaving the block: a round of every fragment
     finally:
         for name, fn in originals.items():
-            setattr(dist, name, fn)
+            setattr(places[name], name, fn)
     return calls, identical, averager.traffic.bytes, bool(replicas_in_sync(fabric, m))
 
 
@@ -88,14 +87,14 @@ def test_lowbit_rounds_keep_replicas_identical_and_send_what_they_count(worlds, 
     calls, identical, sent, in_sync = worlds(size).run(lowbit_rounds, code, overlap, fragments, True)[0]
     assert all(identical) and in_sync  # every blocking round leaves the replicas bitwise identical
     assert not [c for c in calls if c[0] == "all_reduce"]  # no float collective: uint8 codes only
-    launches = [s for name, s, _ in calls if name == "all_to_all_single" and s > 0]
-    gathers = [s for name, s, _ in calls if name == ALL_GATHER_SINGLE and s > 0]
+    launches = [s for name, s, _ in calls if name == "all_to_all_messages" and s > 0]
+    gathers = [s for name, s, _ in calls if name == "all_gather_messages" and s > 0]
     spacing = 8 // fragments
     assert launches == list(range(spacing, 25, spacing))
     # The all-gather comes at the merge with overlap 1, half-way with more (the schedule's second phase).
     assert gathers == [s + (overlap // 2 if overlap >= 2 else overlap) for s in launches if s + overlap <= 24]
     # traffic counts each round's all-to-all input: codes, scales, the exact header, padding.
-    assert sent == sum(b for name, _, b in calls if name == "all_to_all_single")
+    assert sent == sum(b for name, _, b in calls if name == "all_to_all_messages")
 
 
 def bytes_against_fp32(fabric, code):
