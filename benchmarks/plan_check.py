@@ -49,11 +49,11 @@ class Case(NamedTuple):
 CASES = (
     Case("1x100mbit-fp32", 1, "100mbit", "fp32", 1, 0, 16),
     Case("1x10mbit-fp32", 1, "10mbit", "fp32", 1, 0, 64),
-    Case("1x10mbit-fp8-F4-o16", 1, "10mbit", "fp8", 4, 16, 64),
+    Case("1x10mbit-fp8-F4-o16", 1, "10mbit", "fp8", 4, 16, 128),
     Case("1x1mbit-fp4", 1, "1mbit", "fp4", 1, 0, 128),
     Case("1x1mbit-fp8-F4-o16", 1, "1mbit", "fp8", 4, 16, 128),
     Case("2x10mbit-fp32", 2, "10mbit", "fp32", 1, 0, 64),
-    Case("2x10mbit-fp4-F4-o16", 2, "10mbit", "fp4", 4, 16, 64),
+    Case("2x10mbit-fp4-F4-o16", 2, "10mbit", "fp4", 4, 16, 128),
     Case("2x1mbit-fp8-F4-o16", 2, "1mbit", "fp8", 4, 16, 128),
 )
 QUICK = ("1x10mbit-fp8-F4-o16",)

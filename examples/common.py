@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,18 +27,15 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from fabric_multimodel import Averager, NodeGroups, ddp_of, node_groups
+from fabric_multimodel import Averager, Checkpointer, NodeGroups, ddp_of, node_groups
 from fabric_multimodel.checkpoints import (
     CheckpointError,
-    CheckpointWriter,
     load_checkpoint,
     read_checkpoint,
-    remove_stale_temporaries,
     replica_path,
-    save_checkpoint,
 )
 from fabric_multimodel.collectives import extremes
-from fabric_multimodel.elastic import Resumed, restart_count, resume_latest
+from fabric_multimodel.elastic import Resumed, restart_count
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
 from fabric_multimodel.membership import Membership, site_of
@@ -46,8 +43,6 @@ from fabric_multimodel.sharded_checkpoints import (
     METADATA,
     ResumedSharded,
     load_sharded,
-    resume_latest_sharded,
-    save_sharded,
 )
 
 
@@ -654,7 +649,13 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
 
 
-def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phases: StartPhases | None = None) -> None:
+def resume(
+    fabric: Fabric,
+    args: argparse.Namespace,
+    state: dict[str, Any],
+    checkpointer: Checkpointer,
+    phases: StartPhases | None = None,
+) -> None:
     """Load ``--resume`` into ``state`` (every rank reads it); any problem is one line and exit code 2.
 
     ``--resume auto`` loads the newest checkpoint any rank finds in the run folder (one small allreduce, and a
@@ -685,8 +686,8 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
 
     try:
         if sharded and args.resume == AUTO:
-            found = resume_latest_sharded(
-                fabric, path, state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
+            found = checkpointer.resume(
+                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
             )
             if found is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
@@ -699,8 +700,8 @@ def resume(fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], phas
         elif sharded:
             extra = load_sharded_run(fabric, path, state, same_settings)
         elif args.resume == AUTO:
-            resumed = resume_latest(
-                fabric, path, state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
+            resumed = checkpointer.resume(
+                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
             )
             if resumed is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
@@ -881,75 +882,6 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-class Checkpointer:
-    """Atomic checkpoints in the run folder, periodic ones and with ``--checkpoint-rounds`` one after every
-    averaging round (stale temporaries of killed saves are removed first).
-
-    With anchored rounds (DiLoCo, ``--comm-dtype``) a checkpoint sends nothing: each replica's writer saves
-    its own file (``checkpoint.pt``, ``checkpoint.replica1.pt``, ...) in the background, no round and no
-    barrier. Otherwise rank 0 writes ``checkpoint.pt`` after a round (every rank waits), and round
-    checkpoints are written in the background by one process per node, so that a restarted node finds its own.
-    """
-
-    def __init__(self, fabric: Fabric, folder: Path, rounds: bool = False, averager: Averager | None = None) -> None:
-        self.fabric, self.path = fabric, folder / "checkpoint.pt"
-        #: True when each replica writes its own checkpoint and no checkpoint needs a round.
-        self.local = averager is not None and averager.anchored
-        #: FSDP2 models: each site writes its replica's folder, every process its shards (no round, inside the site).
-        self.sharded = averager is not None and averager.sharded
-        if self.sharded:
-            assert averager is not None
-            self.path = replica_path(folder / "checkpoint", averager.replica.index)
-        if self.local:
-            assert averager is not None
-            replica = averager.replica
-            self.writer = CheckpointWriter(replica_path(self.path, replica.index), enabled=replica.writer)
-        else:  # a sharded run writes its round checkpoints in the training thread (DCP's collectives are the site's)
-            self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0 and not self.sharded)
-        #: Seconds each sharded round checkpoint held the training thread.
-        self.sharded_seconds: list[float] = []
-        if fabric.local_rank == 0:
-            for stale in remove_stale_temporaries(folder):
-                print(f"removed {stale}, left by a save that was interrupted", flush=True)
-
-    def save(self, state: Mapping[str, Any]) -> Path:
-        if self.sharded:
-            return save_sharded(self.path, state)
-        if self.local:
-            self.writer.save(state)
-            return self.writer.path
-        self.writer.wait()  # the rename of a background write must not land after this one
-        return save_checkpoint(self.fabric, self.path, state)
-
-    def after_round(self, state: Mapping[str, Any]) -> None:
-        """After a round (where the replicas are the same, or anchored): a checkpoint written in the background,
-        or, sharded, each site's folder written by its processes (nothing crosses sites)."""
-        if self.sharded:
-            start = time.perf_counter()
-            save_sharded(self.path, state)
-            self.sharded_seconds.append(time.perf_counter() - start)
-            return
-        self.writer.save(state)
-
-    def close(self) -> str:
-        """Finish the background write; a line with what the round checkpoints cost, when there were any."""
-        self.writer.close()
-        if self.sharded_seconds:
-            median_ms = 1000 * statistics.median(self.sharded_seconds)
-            return (
-                f"checkpoints after rounds: {len(self.sharded_seconds)} sharded saves, training thread"
-                f" {median_ms:.1f} ms each (median)"
-            )
-        if not self.writer.seconds:
-            return ""
-        copies, writes = zip(*self.writer.seconds)
-        copy_ms, write_ms = 1000 * statistics.median(copies), 1000 * statistics.median(writes)
-        return (
-            f"checkpoints in the background: {len(copies)}, training thread {copy_ms:.2f} ms each (median),"
-            f" background write {write_ms:.1f} ms"
-        )
 
 
 def main(run: Callable[[], int | None]) -> None:

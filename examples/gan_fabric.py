@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import (
-    Checkpointer,
     GradientBytes,
     Parser,
     Progress,
@@ -74,7 +73,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Averager, PreemptionStop, RunEnded, frozen, setup_models
+from fabric_multimodel import Averager, Checkpointer, PreemptionStop, RunEnded, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -236,10 +235,10 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None:
         state["averager"] = averager
         state["step"] = averager.steps  # a site that joins a running run starts at the others' step
-    if args.resume is not None:
-        resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
-        grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
+    if args.resume is not None:
+        resume(fabric, args, state, checkpointer, phases)  # into the objects above; plain values come back in `state`
+        grad_bytes.bytes = state["grad_bytes"]
     stop = PreemptionStop()  # SIGTERM: every rank stops at one step, after a checkpoint
 
     def save(step: int, sync: bool = True) -> Path:

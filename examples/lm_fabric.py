@@ -56,7 +56,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from common import (
-    Checkpointer,
     GradientBytes,
     Parser,
     Progress,
@@ -89,7 +88,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
-from fabric_multimodel import Averager, PreemptionStop, RunEnded, setup_models
+from fabric_multimodel import Averager, Checkpointer, PreemptionStop, RunEnded, setup_models
 
 HELD_OUT = 0.05  # share of files (by path hash) kept for validation
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -435,10 +434,10 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None:
         state["averager"] = averager
         state["step"] = averager.steps  # a site that joins a running run starts at the others' step
-    if args.resume is not None:
-        resume(fabric, args, state, phases)  # into the objects above; plain values come back in `state`
-        grad_bytes.bytes = state["grad_bytes"]
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
+    if args.resume is not None:
+        resume(fabric, args, state, checkpointer, phases)  # into the objects above; plain values come back in `state`
+        grad_bytes.bytes = state["grad_bytes"]
     stop = PreemptionStop()  # SIGTERM: every rank stops at one step, after a checkpoint
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
     stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fabric_multimodel.averaging import Averager, Replica
+    from fabric_multimodel.checkpointer import Checkpointer
     from fabric_multimodel.collectives import Traffic
     from fabric_multimodel.config import AveragerConfig
     from fabric_multimodel.frozen import frozen
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "Averager": "averaging",
     "Replica": "averaging",
+    "Checkpointer": "checkpointer",
     "Traffic": "collectives",
     "AveragerConfig": "config",
     "frozen": "frozen",
@@ -56,6 +58,7 @@ __all__ = [
     "Averager",
     "AveragerConfig",
     "AveragingError",
+    "Checkpointer",
     "Epoch",
     "Membership",
     "Models",

@@ -1,0 +1,138 @@
+"""Which writer saves a run's checkpoint, to which file, and when: :class:`Checkpointer`.
+
+The right writer depends on the run: replicas that are equal after every round need one copy (rank 0's);
+anchored rounds (DiLoCo) leave every replica its own local progress, which each saves itself in the
+background without a round; FSDP2 sites save shards, each site its own folder.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fabric_multimodel.checkpoints import CheckpointWriter, remove_stale_temporaries, replica_path, save_checkpoint
+from fabric_multimodel.elastic import Resumed, resume_latest
+from fabric_multimodel.sharded_checkpoints import ResumedSharded, resume_latest_sharded, save_sharded
+
+if TYPE_CHECKING:
+    from lightning_fabric import Fabric
+
+    from fabric_multimodel.averaging import Averager
+
+
+class Checkpointer:
+    """A run's checkpoints in ``folder``: :meth:`save` when the loop wants one, :meth:`after_round` after an
+    averaging round, each by the right writer for the run (stale temporaries of killed saves are removed first).
+
+    - Anchored rounds (DiLoCo, a low-bit ``comm_dtype``): a checkpoint sends nothing. Each replica's writer
+      saves its own file (``checkpoint.pt``, ``checkpoint.replica1.pt``, ...) in the background: no round, no
+      barrier, and a replica that restarts finds its own local progress.
+    - FSDP2 inside each site (``averager.sharded``): each site writes its own folder (``checkpoint``,
+      ``checkpoint.replica1``, ...), every process its shards; nothing crosses sites.
+    - Otherwise (replicas equal after each round): rank 0 writes ``checkpoint.pt`` (every rank waits); with
+      ``rounds=True`` the round checkpoints are written in the background by one process per node, so that a
+      restarted node finds its own.
+
+    Example::
+
+        checkpointer = Checkpointer(fabric, Path("runs/x"), rounds=True, averager=averager)
+        with averager:
+            for step in range(steps):
+                ...
+                averager.step()
+                if averager.finished_at == averager.steps and not averager.pending:  # a round ended here
+                    checkpointer.after_round({"gen": gen, "averager": averager, "step": step + 1})
+        checkpointer.save({"gen": gen, "averager": averager, "step": steps})
+        print(checkpointer.close())
+    """
+
+    def __init__(
+        self, fabric: Fabric, folder: str | os.PathLike, rounds: bool = False, averager: Averager | None = None
+    ) -> None:
+        self.folder = folder = Path(folder)
+        self.fabric, self.path = fabric, folder / "checkpoint.pt"
+        #: True when each replica writes its own checkpoint and no checkpoint needs a round.
+        self.local = averager is not None and averager.anchored
+        #: FSDP2 models: each site writes its replica's folder, every process its shards (no round, inside the site).
+        self.sharded = averager is not None and averager.sharded
+        if self.sharded:
+            assert averager is not None
+            self.path = replica_path(folder / "checkpoint", averager.replica.index)
+        if self.local:
+            assert averager is not None
+            replica = averager.replica
+            self.writer = CheckpointWriter(replica_path(self.path, replica.index), enabled=replica.writer)
+        else:  # a sharded run writes its round checkpoints in the training thread (DCP's collectives are the site's)
+            self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0 and not self.sharded)
+        #: Seconds each sharded round checkpoint held the training thread.
+        self.sharded_seconds: list[float] = []
+        if fabric.local_rank == 0:
+            for stale in remove_stale_temporaries(folder):
+                print(f"removed {stale}, left by a save that was interrupted", flush=True)
+
+    def resume(
+        self,
+        state: dict[str, Any],
+        *,
+        validate: Callable[[dict[str, Any]], None] | None = None,
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> Resumed | ResumedSharded | None:
+        """Load this run's newest checkpoint in ``folder`` into ``state`` on every rank (before the first
+        collective of training), or None and nothing changed when there is none: a fresh start. Each replica
+        (anchored) or site (FSDP2) resumes from its own copy when that is the newest, else receives what it lacks
+        from one that has it (:func:`~fabric_multimodel.elastic.resume_latest`,
+        :func:`~fabric_multimodel.sharded_checkpoints.resume_latest_sharded`; ``validate`` and ``progress`` as
+        there).
+
+        Example::
+
+            resumed = checkpointer.resume(state)
+            step = state["step"] if resumed else 0
+        """
+        if self.sharded:
+            folder = self.folder / "checkpoint"
+            return resume_latest_sharded(self.fabric, folder, state, validate=validate, progress=progress)
+        own = self.writer.path if self.local else self.path  # each replica's own file, with anchored rounds
+        return resume_latest(self.fabric, own, state, validate=validate, progress=progress)
+
+    def save(self, state: Mapping[str, Any]) -> Path:
+        """A checkpoint now (call it on every rank); the path it went to."""
+        if self.sharded:
+            return save_sharded(self.path, state)
+        if self.local:
+            self.writer.save(state)
+            return self.writer.path
+        self.writer.wait()  # the rename of a background write must not land after this one
+        return save_checkpoint(self.fabric, self.path, state)
+
+    def after_round(self, state: Mapping[str, Any]) -> None:
+        """After a round (where the replicas are the same, or anchored): a checkpoint written in the background,
+        or, sharded, each site's folder written by its processes (nothing crosses sites)."""
+        if self.sharded:
+            start = time.perf_counter()
+            save_sharded(self.path, state)
+            self.sharded_seconds.append(time.perf_counter() - start)
+            return
+        self.writer.save(state)
+
+    def close(self) -> str:
+        """Finish the background write; a line with what the round checkpoints cost, when there were any."""
+        self.writer.close()
+        if self.sharded_seconds:
+            median_ms = 1000 * statistics.median(self.sharded_seconds)
+            return (
+                f"checkpoints after rounds: {len(self.sharded_seconds)} sharded saves, training thread"
+                f" {median_ms:.1f} ms each (median)"
+            )
+        if not self.writer.seconds:
+            return ""
+        copies, writes = zip(*self.writer.seconds)
+        copy_ms, write_ms = 1000 * statistics.median(copies), 1000 * statistics.median(writes)
+        return (
+            f"checkpoints in the background: {len(copies)}, training thread {copy_ms:.2f} ms each (median),"
+            f" background write {write_ms:.1f} ms"
+        )

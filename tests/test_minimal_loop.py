@@ -1,0 +1,57 @@
+"""examples/minimal_loop.py, 2 processes under `fabric run`: stopped by a SIGTERM to the launcher mid-run and started
+again with the same command, it ends exactly as a run that was never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fabric_multimodel.launch import free_port, parse_final_line, stop_process_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+FABRIC = Path(sys.executable).parent / "fabric"
+KEYS = ("steps", "val_loss", "wall_s", "comm_bytes", "rounds")
+STEPS = 300
+TIMEOUT_S = 300
+
+
+def start(out: Path) -> subprocess.Popen:
+    cmd = [str(FABRIC), "run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port())]
+    cmd += ["examples/minimal_loop.py", "--steps", str(STEPS), "--out", str(out)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LT_", "TORCHELASTIC_"))}
+    return subprocess.Popen(cmd, cwd=ROOT, env=clean, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        stop_process_tree(proc)
+    return proc.returncode, stdout, stderr
+
+
+def test_a_run_stopped_by_sigterm_and_started_again_ends_as_one_never_stopped(tmp_path: Path) -> None:
+    whole, stopped = start(tmp_path / "whole"), start(tmp_path / "stopped")
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (tmp_path / "stopped" / "checkpoint.pt").exists():  # the first round's checkpoint: mid-run
+            assert stopped.poll() is None and time.monotonic() < deadline, stopped.communicate()
+            time.sleep(0.05)
+        stopped.send_signal(signal.SIGTERM)  # to the launcher, which passes it on to its processes
+        code, out, err = finish(stopped)
+    finally:
+        stop_process_tree(stopped)
+    assert code != 0 and "stopped by SIGTERM at step " in out, out[-2000:] + err[-3000:]
+    at = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert 0 < at < STEPS
+    code, again, err = finish(start(tmp_path / "stopped"))  # the same command
+    assert code == 0 and f"resumed at step {at} from " in again, again[-2000:] + err[-3000:]
+    code, uninterrupted, err = finish(whole)
+    assert code == 0, uninterrupted[-2000:] + err[-3000:]
+    expected, resumed = parse_final_line(uninterrupted, KEYS), parse_final_line(again, KEYS)
+    for key in ("steps", "val_loss", "comm_bytes", "rounds"):
+        assert resumed[key] == expected[key], (key, resumed, expected)
