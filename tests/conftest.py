@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, settings
 
 from tests.worlds import World
 
-# Distributed examples take ~0.1-2 s each on 2 cores; keep the number small and never time them.
+# Distributed examples take ~0.1-2 s each on 2 cores; keep the number small (the suite has 12 minutes) and never
+# time them.
 settings.register_profile(
     "worlds",
-    max_examples=12,
+    max_examples=8,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

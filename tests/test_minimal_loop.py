@@ -15,7 +15,7 @@ from fabric_multimodel.launch import free_port, parse_final_line, stop_process_t
 ROOT = Path(__file__).resolve().parents[1]
 FABRIC = Path(sys.executable).parent / "fabric"
 KEYS = ("steps", "val_loss", "wall_s", "comm_bytes", "rounds")
-STEPS = 300
+STEPS = 200
 TIMEOUT_S = 300
 
 
