@@ -339,7 +339,11 @@ def test_averaging_period_across_sites_quick(tmp_path):
     assert float(sync["utilisation"]) < float(streaming["utilisation"])
     assert float(sync["wall_s"]) > 2 * float(streaming["wall_s"])  # 10 mbit: the link is what limits sync
     for row in rows.values():
-        assert float(row["model_wall_s"]) > 0 and row["bandwidth"] == "10mbit"
+        assert row["bandwidth"] == "10mbit"
+        # The sweep's own comparison: the cost model's wall-clock within 3x of the measured one. Ten steps on shared
+        # cores are noisy (0.66-0.82 of measured when written); the bound catches a slip of units or formula
+        # (bits for bytes is 8x), not a few points.
+        assert 1 / 3 < float(row["model_wall_s"]) / float(row["wall_s"]) < 3, row
     # At equal wall-clock: both when streaming (the faster) logged its last validation, its own final loss.
     assert sync["equal_wall_s"] == streaming["equal_wall_s"] and float(streaming["equal_wall_s"]) > 0
     assert float(streaming["val_loss_at_equal_wall"]) == pytest.approx(float(streaming["val_loss"]), abs=1e-4)
