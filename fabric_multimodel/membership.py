@@ -13,8 +13,10 @@ member reads the same value, so no member leads and any site may be lost, the fi
 - A site *registers* (the ``joins`` counter; ``join/<n>`` holds its name) and waits to be admitted. The first
   epoch is the first ``min_sites`` sites to register.
 - At a *round boundary* (a round finished, none in flight) every member proposes for
-  ``epoch/<e>/round/<r>``: ``keep``, or the members and the sites registered since. A change is epoch
-  ``e + 1``; the admitted sites find their epoch under ``admit/<token>``.
+  ``epoch/<e>/round/<r>``: ``keep``, or the members and the sites registered since whose heartbeat it saw move
+  (a registrant whose heartbeat stood still for ``3 * heartbeat_s`` died waiting, and is passed over, told
+  ``gone`` should it still wait: it registers again). A change is epoch ``e + 1``; the admitted sites find their
+  epoch under ``admit/<token>``.
 - When a round *fails* (a peer exited, or the group's ``timeout`` passed), each survivor checks in under
   ``epoch/<e>/alive/<token>`` and waits until every member whose heartbeat still moves has checked in (a
   heartbeat that stood still for ``3 * heartbeat_s`` is a member gone; ``timeout`` at most); the first proposal
@@ -48,6 +50,8 @@ from fabric_multimodel.collectives import all_gather_single, standalone_group
 
 #: Seconds between two polls of the store while waiting (admission, check-ins).
 POLL_S = 0.05
+#: What ``admit/<token>`` says to a registrant passed over as gone (its heartbeat stood still): register again.
+GONE = "gone"
 
 
 class RunEnded(RuntimeError):
@@ -181,6 +185,8 @@ class Membership:
         #: Seconds this process spent on changes after its first epoch: agreements, waiting for survivors, groups.
         self.waited_s = 0.0
         self._decision: _Decision | None = None
+        #: Registrants this process has looked at: their heartbeat count then, and when (see _admissible).
+        self._registrants: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
 
@@ -228,12 +234,36 @@ class Membership:
                 self._poll([f"admit/{self.token}"], on_wait, start)
                 admitted = f"admit/{self.token}"
         if admitted != "epoch/0/next":
-            number = int(self._store.get(f"admit/{self.token}"))
+            value = self._store.get(f"admit/{self.token}").decode()
+            if value == GONE:  # its heartbeat stood still while it waited, and the members went on without it
+                return self._admit(on_wait)
+            number = int(value)
             decision = _Decision.decode(self._store.get(f"epoch/{number - 1}/next"))
         return self._enter(number, decision, previous=())
 
     def _registered(self, first: int, last: int) -> list[str]:
         return [self._store.get(f"join/{n}").decode() for n in range(first, last + 1)]
+
+    def _admissible(self, first: int, registered: int, room: int) -> tuple[list[str], int]:
+        """The sites registered as numbers ``first..registered`` that may be admitted now (at most ``room``), and
+        the last registration that accounts for. One whose heartbeat has not moved since this process first
+        looked at it, and those after it, wait for a later boundary; one whose heartbeat stood still for
+        ``3 * heartbeat_s`` is gone (it died while it waited) and is passed over: admitted, it would hold the
+        next epoch's group ``timeout`` seconds waiting for it."""
+        admitted: list[str] = []
+        last, now = first - 1, time.perf_counter()
+        for number in range(first, registered + 1):
+            if len(admitted) == room:
+                break
+            (token,) = self._registered(number, number)
+            count = self._store.add(f"beat/{token}", 0)
+            first_count, first_seen = self._registrants.setdefault(token, (count, now))
+            if count != first_count:
+                admitted.append(token)
+            elif now - first_seen < 3 * self.heartbeat_s:
+                break
+            last = number
+        return admitted, last
 
     def _poll(
         self,
@@ -276,9 +306,9 @@ class Membership:
         proposal = "keep"
         room = self.max_sites - len(epoch.members)
         if registered > decision.registrations and room > 0:
-            last = min(registered, decision.registrations + room)
-            new = self._registered(decision.registrations + 1, last)
-            proposal = _Decision(epoch.members + tuple(new), last).encode()
+            new, last = self._admissible(decision.registrations + 1, registered, room)
+            if new:  # one that is gone is passed over with the next one admitted
+                proposal = _Decision(epoch.members + tuple(new), last).encode()
         decided = self._store.compare_set(f"epoch/{epoch.number}/round/{index}", "", proposal).decode()
         if decided == "keep":
             return None
@@ -308,8 +338,9 @@ class Membership:
         if not self._store.check([key]):
             alive = self._survivors(epoch)
             registered = self._store.add("joins", 0)
-            last = min(registered, decision.registrations + max(self.max_sites - len(alive), 0))
-            proposal = _Decision(tuple(alive) + tuple(self._registered(decision.registrations + 1, last)), last)
+            room = max(self.max_sites - len(alive), 0)
+            new, last = self._admissible(decision.registrations + 1, registered, room)
+            proposal = _Decision(tuple(alive) + tuple(new), last)
             self._store.compare_set(key, "", proposal.encode())
         result = self._change(epoch, _Decision.decode(self._store.get(key)))
         self.waited_s += time.perf_counter() - start
@@ -376,10 +407,13 @@ class Membership:
 
     def _change(self, epoch: Epoch, decision: _Decision) -> Epoch:
         """Move from ``epoch`` to the next, as ``decision`` says; rejoin as a new site when it leaves us out."""
-        assert self.token is not None
+        assert self.token is not None and self._decision is not None
         for token in decision.members:
             if token not in epoch.members:
                 self._store.set(f"admit/{token}", str(epoch.number + 1))
+        for token in self._registered(self._decision.registrations + 1, decision.registrations):
+            if token not in decision.members:  # passed over as gone: should it still wait, it registers again
+                self._store.set(f"admit/{token}", GONE)
         self._store.set("epoch", str(epoch.number + 1))
         if self.token not in decision.members:
             self.epoch = self._decision = None
