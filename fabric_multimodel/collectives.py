@@ -55,11 +55,9 @@ def all_to_all_messages(
         all_to_all_messages(received, shards)
     """
     world = group_size(group)
-    if world > 1 and _over_gloo(input, group):
-        rank, sent, into = group_rank(group), input.view(world, -1), output.view(world, -1)
-        into[rank].copy_(sent[rank])
-        peers = _peers(rank, world)
-        return _messages([(sent[p], p) for p in peers], [(into[p], p) for p in peers], group, async_op)
+    pg = group if group is not None else dist.group.WORLD
+    if world > 1 and pg is not None and _over_gloo(input, pg):
+        return _messages(input.view(world, -1).__getitem__, output.view(world, -1), pg, async_op)
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
@@ -75,11 +73,9 @@ def all_gather_messages(
         all_gather_messages(everyone, shard)
     """
     world = group_size(group)
-    if world > 1 and _over_gloo(input, group):
-        rank, into = group_rank(group), output.view(world, -1)
-        into[rank].copy_(input.view(-1))
-        peers = _peers(rank, world)
-        return _messages([(input.view(-1), p) for p in peers], [(into[p], p) for p in peers], group, async_op)
+    pg = group if group is not None else dist.group.WORLD
+    if world > 1 and pg is not None and _over_gloo(input, pg):
+        return _messages(lambda peer: input.view(-1), output.view(world, -1), pg, async_op)
     return all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -113,18 +109,21 @@ class Messages:
 
 
 def _messages(
-    sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]], group: ProcessGroup, async_op: bool
+    piece_for: Callable[[int], torch.Tensor], into: torch.Tensor, pg: dist.ProcessGroup, async_op: bool
 ) -> Messages | None:
-    """Post every receive, then every send (peers as ranks of ``group``); wait for them unless ``async_op``.
+    """Row ``r`` of ``into`` <- what rank ``r`` sends this rank; this rank sends ``piece_for(p)`` to each peer
+    ``p`` (ranks of ``pg``). Every receive is posted before any send, peers from the next rank round (every rank
+    sends to a different peer first); waited for unless ``async_op``.
 
     Why not gloo's own all-to-all and all-gather: across a link of limited rate, the two back to back (a low-bit
     round) took 1.54x their bytes over the rate (a 232 kB round at 3 Mbit/s: 951 ms, in every run), these messages
     1.05x (654 ms), as gloo's segmented allreduce; with the sends posted first 1.29x (benchmarks/README.md,
     link_rate.py).
     """
-    pg = group if group is not None else dist.group.WORLD
-    assert pg is not None
-    work = [pg.recv([t], peer, 0) for t, peer in receives] + [pg.send([t], peer, 0) for t, peer in sends]
+    rank, world = pg.rank(), pg.size()
+    into[rank].copy_(piece_for(rank))
+    peers = [(rank + i) % world for i in range(1, world)]
+    work = [pg.recv([into[p]], p, 0) for p in peers] + [pg.send([piece_for(p)], p, 0) for p in peers]
     if async_op:
         return Messages(work)
     for w in work:
@@ -132,15 +131,9 @@ def _messages(
     return None
 
 
-def _peers(rank: int, world: int) -> list[int]:
-    """The other ranks, from the next one round: every rank sends to a different peer first."""
-    return [(rank + i) % world for i in range(1, world)]
-
-
-def _over_gloo(tensor: torch.Tensor, group: ProcessGroup) -> bool:
-    """True when ``group`` carries ``tensor`` over gloo (a group may hold gloo for CPU and NCCL for CUDA)."""
-    pg = group if group is not None else dist.group.WORLD
-    return pg is not None and pg._get_backend(tensor.device).name() == "gloo"
+def _over_gloo(tensor: torch.Tensor, pg: dist.ProcessGroup) -> bool:
+    """True when ``pg`` carries ``tensor`` over gloo (a group may hold gloo for CPU and NCCL for CUDA)."""
+    return pg._get_backend(tensor.device).name() == "gloo"
 
 
 def new_group(ranks: Sequence[int], backend: str | None = None) -> dist.ProcessGroup | None:
