@@ -37,6 +37,7 @@ from fabric_multimodel.collectives import (
     group_rank,
     group_ranks,
     group_size,
+    post_bytes,
     relay_bytes,
 )
 from fabric_multimodel.config import AveragerConfig
@@ -270,6 +271,9 @@ class Averager:
         # The replicas train apart in warm-up (the islands' nodes, a membership's sites): the first round of each
         # part after it is a plain mean that sets its anchor.
         self._apart = self.islands or membership is not None
+        # Membership: the ranks that entered the epoch behind the others, and the fragments still to have their
+        # first round in it (see _enter_epoch).
+        self._welcome: tuple[frozenset[int], set[int]] = (frozenset(), set())
         #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
         self.start_traffic = Traffic()
         # Islands: the node's processes hold one replica between them; the first one writes it.
@@ -737,7 +741,11 @@ class Averager:
         if warming_up and not self._apart:
             # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
             self._round.anchor_parameters(self._round.parts[fragment])
-        count = self.rounds if self.pace is not None else self.steps  # paced sites differ in steps, not rounds
+        if self.membership is not None:
+            self._round.scale = self._welcome_scale(fragment)
+        # Paced sites differ in steps, not rounds; so may a site that joined in a run's last period (it enters the
+        # members' next round, which may be their final sync).
+        count = self.rounds if self.pace is not None or self.membership is not None else self.steps
         layout, _ = self._optimizer_state.refresh()
         stamp = Stamp(count % 16**Header.STEP_DIGITS, layout, self.steps > self._synced_at[fragment])
         self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up, part=fragment)
@@ -798,11 +806,16 @@ class Averager:
         ranks = group_ranks(group)
         mine = stamps[group_rank(group)]
         for rank, stamp in zip(ranks, stamps):
-            if stamp.steps != mine.steps and self.pace is not None and group is self.process_group:
+            by_rounds = self.pace is not None or self.membership is not None
+            if stamp.steps != mine.steps and by_rounds and group is self.process_group:
+                advice = (
+                    "with pace='speed', make averager.local_steps(total) step() calls on each rank"
+                    if self.pace is not None
+                    else "call averager.step() once per iteration"
+                )
                 raise AveragingError(
                     f"{label}: this rank is at round {self.rounds + 1} but rank {rank} at round"
-                    f" {_unwrap_steps(stamp.steps, self.rounds) + 1}; with pace='speed', make"
-                    " averager.local_steps(total) step() calls on each rank."
+                    f" {_unwrap_steps(stamp.steps, self.rounds) + 1}; {advice}."
                 )
             if stamp.steps != mine.steps:
                 raise AveragingError(
@@ -859,6 +872,7 @@ class Averager:
         self._round.regroup(epoch.group, membership.failing, membership.agree if membership.processes > 1 else None)
         failure: RuntimeError | None = None
         data, behind = None, False
+        ranks_behind: list[int] = []
         with self._round.storage.synced():
             try:
                 try:
@@ -887,6 +901,21 @@ class Averager:
             traffic = self.traffic
             self.load_state_dict(torch.load(io.BytesIO(data), map_location=self._device, weights_only=False))
             self.traffic = traffic  # what this process sent; the state's counters are the sender's
+            if self.local:  # the members trained on while the state crossed: enter the round they are headed for
+                self.steps = self.schedule.next_round(self.steps) - 1
+        # In the first round of each fragment in this epoch, what the members behind send weighs nothing: their
+        # parameters are the state they received (the global model; before one, their own), not local progress.
+        self._welcome = (frozenset(ranks_behind), set(range(self.fragments)) if ranks_behind else set())
+
+    def _welcome_scale(self, fragment: int) -> float:
+        """What this rank's payload of ``fragment``'s round is multiplied by: in the fragment's first round of the
+        epoch, 0 for a member behind (see :meth:`_enter_epoch`) and the group over the others for the rest; else 1."""
+        behind, waiting = self._welcome
+        if fragment not in waiting:
+            return 1.0
+        waiting.discard(fragment)
+        world = group_size(self.process_group)
+        return 0.0 if group_rank(self.process_group) in behind else world / (world - len(behind))
 
     def _start_members(self) -> Traffic:
         """Every member at step 0: start from the first member's values where they differ (sites built from one
@@ -897,16 +926,22 @@ class Averager:
         return sent
 
     def _state_bytes(self, source: int, behind: list[int], group: dist.ProcessGroup) -> bytes | None:
-        """This Averager's state, saved by rank ``source`` of ``group``, on the ranks ``behind``; None elsewhere."""
+        """This Averager's state, saved by rank ``source`` of ``group``, received on the ranks ``behind`` (returned);
+        None elsewhere. The source posts it and trains on while it crosses: the ranks behind take no part in a round
+        before they received it (they enter the members' next one), so it holds no one up unless it takes longer
+        than the steps before that round."""
         mine = group_rank(group)
-        payload = None
         if mine == source:
             buffer = io.BytesIO()
             torch.save(_local_shards(self.state_dict()), buffer)
             payload = buffer.getvalue()
-        data, size = relay_bytes([(source, rank) for rank in behind], payload, self._device, group=group)
-        self.state_traffic = Traffic(size, size * (len(behind) if mine == source else 1))
-        return data if mine in behind else None
+            post_bytes(payload, behind, self._device, group)
+            self.state_traffic = Traffic(len(payload), len(payload) * len(behind))
+        elif mine in behind:
+            data, size = relay_bytes([(source, mine)], None, self._device, group=group)
+            self.state_traffic = Traffic(size, size)
+            return data
+        return None
 
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():

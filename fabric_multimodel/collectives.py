@@ -476,6 +476,9 @@ def tensors_fingerprint(tensors: Iterable[torch.Tensor]) -> int:
 
 #: Bytes per message of :func:`relay_bytes`: a message stays short at the slowest link (1 MiB: 8 s at 1 Mbit/s).
 CHUNK_BYTES = 1 << 20
+#: The tag of :func:`relay_bytes`' messages over a standalone group: a state sent to a site that joined is still on
+#: its way when the group's rounds send their own messages (tag 0) to the same peer.
+STATE_TAG = 1
 #: Seconds between two calls of ``progress`` during :func:`relay_bytes`.
 PROGRESS_EVERY_S = 5.0
 
@@ -505,13 +508,13 @@ def relay_bytes(
         if group is None:
             dist.send(tensor, dst=peer)
         else:
-            group.send([tensor], peer, 0).wait()
+            group.send([tensor], peer, STATE_TAG).wait()
 
     def recv(tensor: torch.Tensor, peer: int) -> None:
         if group is None:
             dist.recv(tensor, src=peer)
         else:
-            group.recv([tensor], peer, 0).wait()
+            group.recv([tensor], peer, STATE_TAG).wait()
 
     data = payload
     for sender, receiver in plan:
@@ -528,6 +531,27 @@ def relay_bytes(
             send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), receiver)
             _chunks(buffer, send, receiver, progress)
     return data, len(data) if data is not None and any(rank in pair for pair in plan) else 0
+
+
+def post_bytes(payload: bytes, receivers: Sequence[int], device: torch.device, group: dist.ProcessGroup) -> Messages:
+    """Send ``payload`` to each of ``receivers`` (ranks of ``group``, a standalone group's) as :func:`relay_bytes`
+    does, its size then messages of ``CHUNK_BYTES``, each receiver's in turn, and return at once: every message is
+    posted here, in this thread (a backend that orders its operations, NCCL, then has them before any later
+    collective of the group), and the returned handle is complete once all have left. How a member sends its state
+    to a site that joined while it trains on; the receivers call :func:`relay_bytes`.
+
+    Example::
+
+        sending = post_bytes(payload, [2], fabric.device, epoch.group)  # on rank 2: relay_bytes([(0, 2)], ...)
+    """
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    size = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
+    work = []
+    for receiver in receivers:
+        work.append(group.send([size], receiver, STATE_TAG))
+        chunks = range(0, buffer.numel(), CHUNK_BYTES)
+        work += [group.send([buffer[offset : offset + CHUNK_BYTES]], receiver, STATE_TAG) for offset in chunks]
+    return Messages(work)
 
 
 def _chunks(

@@ -94,6 +94,16 @@ class Schedule:
             return None
         return (local_steps // self.spacing - 1) % self.fragments
 
+    def next_round(self, steps: int) -> int:
+        """The ``step()`` count of the first round (or launch) after ``steps``, in the local phase.
+
+        Example::
+
+            Schedule(period=8, warmup_steps=2, fragments=2).next_round(7)  # 10
+        """
+        local = max(steps - self.warmup_steps, 0)
+        return self.warmup_steps + (local // self.spacing + 1) * self.spacing
+
     def at(self, steps: int) -> tuple[Event, ...]:
         """What happens at the ``steps``-th ``step()`` call, in order.
 

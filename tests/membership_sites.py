@@ -67,10 +67,11 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     ``steps`` (a site that joins late starts at the step it is given). A site of one process sets the model up with
     Lightning Fabric; with ``site_port``, the process is ``local_rank`` of a site of ``processes`` (a gloo world of
     its own at that port, DDP inside it, or FSDP2 with ``shard``). ``options``: the Averager's (with ``outer_lr``
-    for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step. Reports, under the site's name
-    (``name/i`` from its process i > 0), the epochs it saw, its final parameters' fingerprint (FSDP2: its shard's),
-    its steps, its membership wait and, per epoch entered, the collectives of its start and the state bytes it
-    received or sent."""
+    for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step; ``receive_delay_s``: a site that joins
+    receives the state that much later; ``poison``: its parameters are multiplied by 100 once it joined. Reports,
+    under the site's name (``name/i`` from its process i > 0), the epochs it saw, its final parameters' fingerprint
+    (FSDP2: its shard's), its steps, its last and highest loss, its membership wait and, per epoch entered, the
+    collectives of its start, their seconds and the state bytes it received or sent."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
 
@@ -92,11 +93,23 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
 
     def entering(self: Averager, epoch: Any) -> None:
         entries.append({"epoch": epoch.number})
+        start = time.perf_counter()
         enter(self, epoch)
+        entries[-1]["seconds"] = time.perf_counter() - start
         entries[-1]["state_bytes"] = self.state_traffic.bytes
         entries.append({})  # what follows is no epoch's start
 
     Averager._enter_epoch = entering  # type: ignore[method-assign]
+    if plan.get("receive_delay_s"):  # a slow link to this site: the state it receives arrives that much later
+        import fabric_multimodel.averaging as averaging
+
+        relay = averaging.relay_bytes
+
+        def late(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(plan["receive_delay_s"])
+            return relay(*args, **kwargs)
+
+        averaging.relay_bytes = late  # type: ignore[assignment]
 
     local_rank = plan.get("local_rank", 0)
     report = name if local_rank == 0 else f"{name}/{local_rank}"
@@ -129,7 +142,12 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     membership = _membership(address, name, plan)
     generator = torch.Generator().manual_seed(sum(map(ord, name)) + local_rank)
     epochs = []
+    worst = 0.0
     with Averager(device, model, membership=membership, **options) as averager:
+        if plan.get("poison"):  # what a site sends in its first round after it joined must weigh nothing
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.mul_(100.0)
         while averager.steps < plan["steps"]:
             if not epochs or membership.epoch.number != epochs[-1][0]:
                 epochs.append((membership.epoch.number, membership.epoch.sites))
@@ -141,6 +159,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
             if plan.get("die_at") == averager.steps + 1:
                 _leave_abruptly(queue, (report, {"epochs": epochs}, None))
             averager.step()
+            worst = max(worst, float(loss.detach()))
             time.sleep(plan.get("step_s", 0.0))
     result = {
         "epochs": epochs,
@@ -148,6 +167,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         "steps": averager.steps,
         "wait_s": averager.membership_wait_s,
         "loss": float(loss.detach()),
+        "worst": worst,  # the highest loss of its steps
         "starts": [e for e in entries if "epoch" in e],
     }
     membership.close()

@@ -147,7 +147,9 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     run = f"avg{next(_runs)}"
     common = {"run": run, "steps": 240, "options": options, "step_s": 0.01}
     plans = {name: {**common, "min_sites": 3, "die_at": 40 if name == "a" else None} for name in "abc"}
-    reports = _run_sites(averaging_site, coordinator, plans, ("d", common), "a")
+    # d's state arrives 2 s late (a slow link); what d sends in its first round must weigh nothing (x100 here)
+    joiner = ("d", {**common, "receive_delay_s": 2.0, "poison": True})
+    reports = _run_sites(averaging_site, coordinator, plans, joiner, "a")
 
     finished = {name: report for name, (report, _) in reports.items() if name != "a"}
     assert reports["a"][0]["epochs"] == [(1, reports["a"][0]["epochs"][0][1])]
@@ -155,6 +157,13 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     for name, r in finished.items():
         assert r["steps"] == 240
         assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
+    (entered,) = finished["d"]["starts"]
+    assert entered["seconds"] >= 2.0 and entered["state_bytes"] > 0
+    for name in "bc":  # the state crossed while they trained on: entering d's epoch took them no 2 s
+        (entry,) = [s for s in finished[name]["starts"] if s["epoch"] == entered["epoch"]]
+        assert entry["seconds"] < 1.0, f"{name} took {entry['seconds']:.2f} s to enter the epoch d joined"
+        # below the first steps' loss (about 20): weighed in, d's first round took it past 800
+        assert finished[name]["worst"] < 100, f"{name}'s loss reached {finished[name]['worst']:.0f} once d joined"
     for name in "bc":
         epochs = [(e, tuple(sorted(s))) for e, s in finished[name]["epochs"]]
         assert epochs in (  # d admitted at a round boundary, or with the recovery when it registered before it

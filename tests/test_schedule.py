@@ -98,3 +98,12 @@ def test_one_fragment_is_todays_schedule():
         (2, "launch", 0), (3, "merge", 0), (4, "launch", 1), (5, "merge", 1), (6, "launch", 2), (7, "merge", 2),
         (8, "launch", 3), (9, "merge", 3),
     ]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedule=schedules(), steps=st.integers(0, 100))
+def test_next_round_is_the_first_round_or_launch_after_a_step(schedule, steps):
+    """Where a site that received the others' state at ``steps`` enters their next round."""
+    horizon = steps + schedule.warmup_steps + 2 * schedule.period
+    later = [s for s, e in timeline(schedule, horizon) if s > steps and e.kind in ("round", "launch")]
+    assert schedule.next_round(steps) == later[0]
