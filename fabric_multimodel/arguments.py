@@ -114,9 +114,7 @@ def check_membership(
     refused = {
         "process_group": process_group is not None,
         "node_group (two-level averaging)": node_group is not None or config.node_period is not None,
-        "period='auto'": config.period == "auto",
         "pace='speed'": config.pace == "speed",
-        "error_feedback": config.error_feedback,
         "optimizers (their state averaged in blocking rounds)": bool(optimizers),
     }
     for option, given in refused.items():

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,8 @@ from fabric_multimodel.schedule import Event, Schedule
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -308,17 +310,37 @@ class Averager:
     def _choose_period(self) -> None:
         """period="auto", at the end of warm-up: time a round's payload across ``process_group`` and choose from
         it and the warm-up's steps, with the slowest rank's figures on every rank (see ``auto_period``)."""
-        step_s = statistics.median(self._warmup_gaps("period='auto'"))
+        mine = statistics.median(self._warmup_gaps("period='auto'"))
         sent = self._round.traffic.bytes
-        round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
-        groups = [self.process_group] + ([self._site] if self._site is not None else [])  # islands: the site too
-        step_s, round_s = agree(step_s, round_s, self._device, groups)
+
+        def across() -> tuple[float, float]:
+            round_s = time_round(-(-sent // 4), torch.float32, self._device, self.process_group)
+            return agree(mine, round_s, self._device, [self.process_group])
+
+        step_s, round_s = self._across_sites(across)
+        if self._site is not None:  # islands: the site's processes choose alike
+            step_s, round_s = agree(step_s, round_s, self._device, [self._site])
         timed_step_s = max(step_s, 1e-6)
         if self.config.overlap_steps == "auto":
             self.overlap_steps = choose_overlap(timed_step_s, round_s)
         period = choose_period(timed_step_s, round_s, self.fragments, self.overlap_steps)
         self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
         self._set_period(period)
+
+    def _across_sites(self, collectives: Callable[[], _T]) -> _T:
+        """``collectives()`` over ``process_group``; with a membership, over the next epoch's group again when a
+        member is lost meanwhile (a site's processes agree first, so that it moves as one)."""
+        while True:
+            failure: RuntimeError | None = None
+            try:
+                result = collectives()
+            except RuntimeError as error:
+                if self.membership is None:
+                    raise
+                failure = error
+            if self.membership is None or self.membership.agree(failure is None):
+                return result
+            self._recover()
 
     def _site_step_times(self) -> list[float]:
         """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
@@ -932,8 +954,10 @@ class Averager:
         than the steps before that round."""
         mine = group_rank(group)
         if mine == source:
+            state = _local_shards(self.state_dict())
+            state.pop("error_feedback", None)  # what this rank's quantizations dropped: the others start from none
             buffer = io.BytesIO()
-            torch.save(_local_shards(self.state_dict()), buffer)
+            torch.save(state, buffer)
             payload = buffer.getvalue()
             post_bytes(payload, behind, self._device, group)
             self.state_traffic = Traffic(len(payload), len(payload) * len(behind))

@@ -559,6 +559,19 @@ class QuantizedMean:
         if self._residual is not None:
             self._residual.zero_()
 
+    def keep_residual(self, previous: QuantizedMean) -> None:
+        """Start from what ``previous``, this rank's mean of the same payload over another group, kept: the residual
+        is this rank's own whatever the group (a membership's new epoch). Nothing is kept when the payloads differ
+        in size or either has no error feedback; no collective.
+
+        Example::
+
+            mean = QuantizedMean(delta.numel(), torch.float8_e4m3fn, delta.device, group=new, error_feedback=True)
+            mean.keep_residual(old_mean)
+        """
+        if self._residual is not None and previous._residual is not None and previous.numel == self.numel:
+            self._residual[: self.numel].copy_(previous._residual[: self.numel])
+
     def state_dict(self) -> dict[str, Any]:
         """The error-feedback residual (``{}`` without error feedback), for an exact resume; between rounds only."""
         self._check_between_rounds("state_dict")

@@ -593,6 +593,19 @@ class DeltaRound(Round):
     anchored = True
     state_keys: tuple[str, ...] = ("anchor",)
 
+    def regroup(
+        self,
+        group: ProcessGroup,
+        abandon: Callable[[], bool] | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> None:
+        # Error feedback: what each part's quantization dropped is this rank's and goes on in the new group (a
+        # dropped round leaves its own error there instead of the one before: both are one quantization's).
+        previous = getattr(self, "_transports", []) if self._error_feedback else []
+        super().regroup(group, abandon, agree)
+        for transport, before in zip(self._transports, previous):
+            transport.mean.keep_residual(before.mean)
+
     def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
         self._first = part if part in self.fresh else None
         if self._first is not None:  # no anchor shared yet: send the parameters themselves, for a plain mean
@@ -721,17 +734,24 @@ class DeltaRound(Round):
         fresh = state.get("fresh_fragments", [])
         if not isinstance(fresh, (list, tuple)) or not set(fresh) <= set(range(len(self.parts))):
             raise ValueError(f"`fresh_fragments` must list fragments 0..{len(self.parts) - 1}.")
-        residuals = state.get("error_feedback")
-        if self._error_feedback and (not isinstance(residuals, list) or len(residuals) != len(self._transports)):
-            raise ValueError(
-                "the checkpoint holds no error-feedback residual for every part; save it with the same options."
-            )
+        # None: the state holds no residual (saved without error feedback, or another replica's state sent to a
+        # site that joined: its residuals are its own): this rank's start at zero.
+        residuals = state.get("error_feedback") if self._error_feedback else []
+        if (
+            self._error_feedback
+            and residuals is not None
+            and (not isinstance(residuals, list) or len(residuals) != len(self._transports))
+        ):
+            raise ValueError("the checkpoint's error-feedback residuals do not match these fragments.")
         with torch.no_grad():
             for anchor, saved in zip(self.anchor, anchors):
                 anchor.copy_(saved)
         self.fresh = set(fresh)
-        for transport, residual in zip(self._transports, residuals or () if self._error_feedback else ()):
+        for transport, residual in zip(self._transports, residuals or []):
             transport.mean.load_state_dict({"residual": residual})
+        if residuals is None:
+            for transport in self._transports:
+                transport.mean.clear_residual()
 
 
 class _Sum:

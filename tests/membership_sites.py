@@ -70,8 +70,9 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step; ``receive_delay_s``: a site that joins
     receives the state that much later; ``poison``: its parameters are multiplied by 100 once it joined. Reports,
     under the site's name (``name/i`` from its process i > 0), the epochs it saw, its final parameters' fingerprint
-    (FSDP2: its shard's), its steps, its last and highest loss, its membership wait and, per epoch entered, the
-    collectives of its start, their seconds and the state bytes it received or sent."""
+    (FSDP2: its shard's), its steps, its period (None: "auto" chose none), its last and highest loss, its
+    membership wait and, per epoch entered, the collectives of its start, their seconds and the state bytes it
+    received or sent."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
 
@@ -165,6 +166,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         "epochs": epochs,
         "params": tensors_fingerprint([getattr(p, "_local_tensor", p) for p in model.parameters()]),  # FSDP2: shard
         "steps": averager.steps,
+        "period": averager.period if averager.config.period != "auto" or averager.period_choice else None,
         "wait_s": averager.membership_wait_s,
         "loss": float(loss.detach()),
         "worst": worst,  # the highest loss of its steps

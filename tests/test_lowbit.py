@@ -180,6 +180,33 @@ def test_error_feedback_resumes_bitwise(worlds, code, split, extra):
         assert residual_kept and same
 
 
+def regrouped_midway(fabric, code):
+    """Rounds with error feedback, the round moved halfway to a new group of the same ranks (what a membership's
+    new epoch does) or not; the parameters after each, and whether a residual was kept by then."""
+    results, kept = [], False
+    for regroup in (False, True):
+        torch.manual_seed(0)
+        (m,) = setup_models(fabric, m=mlp(SIZES))
+        averager = Averager(
+            fabric, m, period=2, comm_dtype=getattr(torch, code), outer_optimizer=NESTEROV, error_feedback=True
+        )
+        with averager:
+            for step in range(1, 9):
+                local_update(fabric, m, step)
+                averager.step()
+                if regroup and step == 4:
+                    kept = any(r.abs().sum() > 0 for r in averager.state_dict()["error_feedback"])
+                    averager._round.regroup(collectives.new_group([0, 1]))
+        results.append([p.detach().clone() for p in m.parameters()])
+    return kept, all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("code", ["float8_e4m3fn", "float4_e2m1fn_x2"])
+def test_error_feedback_goes_on_in_a_new_group(worlds, code):
+    for kept, same in worlds(2).run(regrouped_midway, code):
+        assert kept and same
+
+
 def nan_on_one_rank(fabric, code):
     torch.manual_seed(0)
     (m,) = setup_models(fabric, m=mlp(SIZES))

@@ -183,11 +183,13 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
 
 @pytest.mark.parametrize("inside", ["ddp", "fsdp2"])
 def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: str, inside: str) -> None:
-    """Sites of two processes (islands: DDP inside each, each process sending half of a streaming fp8 round across
-    in a group of its own; or FSDP2, each process its shard) lose the first site and admit a new one; every process
-    ends as its peers (islands: all four identical; FSDP2: each shard as the other site's), and the new site's state
-    crosses the link once (islands: to its process 0), not once per process."""
-    options = _diloco(fragments=2, overlap_steps=2, comm_dtype=torch.float8_e4m3fn)
+    """Sites of two processes (islands: DDP inside each, each process sending half of a streaming fp8 round with
+    error feedback across in a group of its own; or FSDP2, each process its shard), with the period chosen at the end
+    of warm-up, lose the first site and admit a new one; every process ends as its peers (islands: all four
+    identical; FSDP2: each shard as the other site's) with the same period, and the new site's state crosses the link
+    once (islands: to its process 0), not once per process."""
+    fp8 = {"comm_dtype": torch.float8_e4m3fn, "error_feedback": True}
+    options = _diloco(period="auto", warmup_steps=4, fragments=2, overlap_steps=2, **fp8)
     run = f"{inside}{next(_runs)}"
     common = {"run": run, "steps": 160, "options": options, "step_s": 0.01, "shard": inside == "fsdp2"}
     plans = {name: {**common, "min_sites": 2, "die_at": 40 if name == "a" else None} for name in "ab"}
@@ -200,6 +202,7 @@ def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: 
         assert finished["b/1"]["params"] == finished["c/1"]["params"]
     else:
         assert len({r["params"] for r in finished.values()}) == 1, "the processes left the block with different models"
+    assert len({r["period"] for r in finished.values()}) == 1 and finished["c"]["period"] >= 6  # shortest: 2 x (2 + 1)
     for name, r in finished.items():
         assert r["steps"] == 160
         assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
@@ -238,7 +241,6 @@ def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registe
     membership = Membership(coordinator, "a", run=run, timeout=5.0)
     model = torch.nn.Linear(2, 2)
     for options, named in (
-        ({"period": "auto", "warmup_steps": 4}, "period='auto'"),
         ({"period": 4, "pace": "speed", "warmup_steps": 4}, "pace='speed'"),
         ({"period": 4, "process_group": object()}, "process_group"),
         ({"period": 4, "optimizers": [torch.optim.SGD(model.parameters(), lr=0.1)]}, "optimizers"),
