@@ -107,15 +107,12 @@ def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:
         )
 
 
-def check_membership(
-    config: AveragerConfig, process_group: ProcessGroup, node_group: ProcessGroup, optimizers: Sequence[Optimizer]
-) -> None:
+def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_group: ProcessGroup) -> None:
     """What a :class:`~fabric_multimodel.membership.Membership` cannot take yet, refused before it registers."""
     refused = {
         "process_group": process_group is not None,
         "node_group (two-level averaging)": node_group is not None or config.node_period is not None,
         "pace='speed'": config.pace == "speed",
-        "optimizers (their state averaged in blocking rounds)": bool(optimizers),
     }
     for option, given in refused.items():
         if given:

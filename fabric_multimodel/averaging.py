@@ -231,7 +231,7 @@ class Averager:
         self.state_traffic = Traffic()
         epoch = None
         if membership is not None:  # every check before this site registers, so a mistake costs the others nothing
-            check_membership(config, process_group, node_group, self.optimizers)
+            check_membership(config, process_group, node_group)
             placement = check_placement(module_list, self.optimizers, None, None, config, across_sites=True)
             epoch = membership.join()
             process_group = epoch.group
@@ -783,12 +783,29 @@ class Averager:
         stamps = self._round.finish()
         _check_intact(intact)
         self._check_stamps(stamps, label)
-        if any(s.progress for s in stamps):
-            self.rounds += 1
-            self.traffic += self._optimizer_state.all_reduce_mean_(self.process_group)
         self._synced_at[fragment] = self.steps
         self.finished_at = self.steps
+        if any(s.progress for s in stamps):
+            self.rounds += 1
+            self.traffic += self._average_optimizer_state(label)
         return True
+
+    def _average_optimizer_state(self, label: str) -> Traffic:
+        """After a blocking round, the optimizers' state averaged over ``process_group``. With a membership, weighed
+        like the round's payload, its wait abandoned once a member is lost, and a failure agreed by the site's
+        processes and raised as a :class:`PeerError`, as a round's is (the round stays merged)."""
+        membership = self.membership
+        if membership is None:
+            return self._optimizer_state.all_reduce_mean_(self.process_group)
+        failure, sent = None, Traffic()
+        try:
+            scale = self._round.scale
+            sent = self._optimizer_state.all_reduce_mean_(self.process_group, scale=scale, abandon=membership.failing)
+        except RuntimeError as error:
+            failure = error
+        if not membership.agree(failure is None):
+            raise PeerError(f"{label}: averaging the optimizers' state failed: {failure or 'on another process'}")
+        return sent
 
     def _exchange(self) -> bool:
         """Move the round in flight to its second phase; starts no round."""

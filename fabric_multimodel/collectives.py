@@ -302,6 +302,9 @@ def all_reduce_mean_(
     tensors: Sequence[torch.Tensor],
     group: ProcessGroup = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    scale: float = 1.0,
+    abandon: Callable[[], bool] | None = None,
 ) -> Traffic:
     """Replace every tensor, in place, by its mean across the ranks of ``group``.
 
@@ -309,7 +312,9 @@ def all_reduce_mean_(
     are packed into staging buffers of at most ``bucket_bytes`` so that many small tensors cost one
     allreduce, not one each. Tensors are bucketed by device and dtype in the order given, so every
     rank must pass tensors of the same shapes, dtypes and order. Issues one allreduce per bucket
-    and returns the :class:`Traffic` sent (zero when the group has one rank).
+    and returns the :class:`Traffic` sent (zero when the group has one rank). ``scale``: this rank's
+    tensors count that many times (a weighted mean when the scales sum to the group's size); ``abandon``:
+    see :func:`wait_all`.
 
     Example::
 
@@ -319,16 +324,20 @@ def all_reduce_mean_(
     world = group_size(group) if tensors else 1
     if world == 1:
         return traffic
-    # NCCL averages inside the collective; gloo has no AVG, so it sums and every rank divides the
-    # same sum, which keeps the result bitwise identical everywhere.
-    average_in_collective = dist.get_backend(group) == dist.Backend.NCCL
-    op = dist.ReduceOp.AVG if average_in_collective else dist.ReduceOp.SUM
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None  # more than one rank
     for bucket in _buckets(tensors, bucket_bytes):
         if len(bucket) == 1 and bucket[0].is_contiguous():
             flat = bucket[0]
         else:
             flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, op=op, group=group)
+        # NCCL averages inside the collective; gloo has no AVG, so it sums and every rank divides the
+        # same sum, which keeps the result bitwise identical everywhere.
+        average_in_collective = pg._get_backend(flat.device).name() == "nccl"
+        op = dist.ReduceOp.AVG if average_in_collective else dist.ReduceOp.SUM
+        if scale != 1.0:
+            flat.mul_(scale)
+        wait_all([dist.all_reduce(flat, op=op, group=group, async_op=True)], abandon)
         if not average_in_collective:
             flat.div_(world)
         if flat is not bucket[0]:

@@ -8,7 +8,7 @@ instead, so a round reduces them in place, as it does the parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -92,10 +92,12 @@ class OptimizerStateStorage:
         of the last :meth:`refresh`: ranks whose optimizers differ (amsgrad on one) differ here."""
         return self._layout
 
-    def all_reduce_mean_(self, group: ProcessGroup = None) -> Traffic:
+    def all_reduce_mean_(
+        self, group: ProcessGroup = None, *, scale: float = 1.0, abandon: Callable[[], bool] | None = None
+    ) -> Traffic:
         """Replace the state found by the last :meth:`refresh` by its mean over ``group``, in place; returns what
-        it sent."""
+        it sent. ``scale`` and ``abandon``: see :func:`~fabric_multimodel.collectives.all_reduce_mean_`."""
         if self._storage is None:
             return Traffic()
         with self._storage.synced():
-            return all_reduce_mean_(self._storage.data, group)
+            return all_reduce_mean_(self._storage.data, group, scale=scale, abandon=abandon)

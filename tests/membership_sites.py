@@ -67,14 +67,15 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     ``steps`` (a site that joins late starts at the step it is given). A site of one process sets the model up with
     Lightning Fabric; with ``site_port``, the process is ``local_rank`` of a site of ``processes`` (a gloo world of
     its own at that port, DDP inside it, or FSDP2 with ``shard``). ``options``: the Averager's (with ``outer_lr``
-    for DiLoCo's Nesterov SGD); ``die_at``: exit abruptly before that step; ``receive_delay_s``: a site that joins
-    receives the state that much later; ``poison``: its parameters are multiplied by 100 once it joined. Reports,
-    under the site's name (``name/i`` from its process i > 0), the epochs it saw, its final parameters' fingerprint
-    (FSDP2: its shard's), its steps, its period (None: "auto" chose none), its last and highest loss, its
-    membership wait and, per epoch entered, the collectives of its start, their seconds and the state bytes it
-    received or sent."""
+    for DiLoCo's Nesterov SGD); ``momentum``: the inner SGD's, averaged with the model; ``die_at``: exit abruptly
+    before that step; ``receive_delay_s``: a site that joins receives the state that much later; ``poison``: its
+    parameters are multiplied by 100 once it joined. Reports, under the site's name (``name/i`` from its process
+    i > 0), the epochs it saw, its final parameters' fingerprint (FSDP2: its shard's) and its optimizer state's,
+    its steps, its period (None: "auto" chose none), its last and highest loss, its membership wait and, per epoch
+    entered, the collectives of its start, their seconds and the state bytes it received or sent."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
+    from fabric_multimodel.optimizer_state import optimizer_state
 
     entries: list[dict[str, int]] = []  # per epoch entered: the collectives its start issued
 
@@ -127,14 +128,15 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
             model = fully_shard(model, mesh=init_device_mesh("cpu", (plan["processes"],)))
         else:
             model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=plan.get("momentum", 0.0))
         device: Any = SimpleNamespace(device=torch.device("cpu"))  # what the Averager asks of a Fabric
         backward = torch.Tensor.backward
     else:
         from lightning_fabric import Fabric
 
         device = fabric = Fabric(accelerator="cpu", devices=1)
-        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=plan.get("momentum", 0.0))
+        model, opt = fabric.setup(model, inner)
         backward = fabric.backward
     options = dict(plan["options"])
     if "outer_lr" in options:
@@ -144,7 +146,8 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     generator = torch.Generator().manual_seed(sum(map(ord, name)) + local_rank)
     epochs = []
     worst = 0.0
-    with Averager(device, model, membership=membership, **options) as averager:
+    optimizers = [opt] if plan.get("momentum") else []  # the momentum is averaged with the model
+    with Averager(device, model, membership=membership, optimizers=optimizers, **options) as averager:
         if plan.get("poison"):  # what a site sends in its first round after it joined must weigh nothing
             with torch.no_grad():
                 for parameter in model.parameters():
@@ -165,6 +168,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     result = {
         "epochs": epochs,
         "params": tensors_fingerprint([getattr(p, "_local_tensor", p) for p in model.parameters()]),  # FSDP2: shard
+        "optimizer": tensors_fingerprint(optimizer_state([opt])),
         "steps": averager.steps,
         "period": averager.period if averager.config.period != "auto" or averager.period_choice else None,
         "wait_s": averager.membership_wait_s,
