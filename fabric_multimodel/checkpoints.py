@@ -51,7 +51,7 @@ class CheckpointError(ValueError):
 def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically; call it on every rank (rank 0 writes).
 
-    Modules, optimizers and anything with a ``state_dict()`` (an :class:`Averager`) are saved
+    Modules, optimizers and anything with a ``state_dict()`` (an :class:`~fabric_multimodel.Averager`) are saved
     through it, as ``fabric.save`` does. Rank 0 writes ``.<name>.tmp-<pid>`` in the same folder,
     flushes it to disk and renames it over ``path``: a kill at any moment leaves either the previous
     checkpoint or the new one, whole. Sharded strategies (FSDP, DeepSpeed) save differently; for
@@ -99,7 +99,7 @@ class CheckpointWriter:
     """Atomic checkpoints written off the training thread, cheap enough for every averaging round.
 
     :meth:`save` serializes the state (the ``state_dict()`` of modules, optimizers and an
-    :class:`Averager`) into memory and returns; a background thread writes those bytes as
+    :class:`~fabric_multimodel.Averager`) into memory and returns; a background thread writes those bytes as
     :func:`save_checkpoint` does (a temporary file beside the target, flushed to disk, renamed over
     it), so a kill at any moment leaves the previous checkpoint or the new one, whole. One write is
     in flight at a time: a ``save`` while one is still being written waits for it first. Make one
@@ -284,7 +284,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Verify ``path`` (see :func:`read_checkpoint`), then load it into ``state`` like ``fabric.load``.
 
-    Objects with ``load_state_dict`` (modules, optimizers, an :class:`Averager`) are restored in
+    Objects with ``load_state_dict`` (modules, optimizers, an :class:`~fabric_multimodel.Averager`) are restored in
     place; plain values in ``state`` are replaced. Returns what the checkpoint holds beyond
     ``state``. Every problem, including a model of other shapes, is a :class:`CheckpointError`
     whose one-line message names the file; the file and the models' shapes are checked before

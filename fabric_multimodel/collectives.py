@@ -46,7 +46,7 @@ def all_to_all_messages(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, async_op: bool = False
 ) -> Any:
     """Shard ``j`` of ``input`` to rank ``j``, and rank ``j``'s shard for this rank into shard ``j`` of ``output``
-    (``world`` equal shards each): an all-to-all, sent as point-to-point messages on gloo (:func:`_messages`),
+    (``world`` equal shards each): an all-to-all, sent as point-to-point messages on gloo (``_messages``),
     torch's ``all_to_all_single`` elsewhere. For payloads that cross a slow link.
 
     Example::
@@ -65,7 +65,7 @@ def all_gather_messages(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup = None, async_op: bool = False
 ) -> Any:
     """Every rank's ``input`` side by side in ``output``: an all-gather, sent as point-to-point messages on gloo
-    (:func:`_messages`), :func:`all_gather_single` elsewhere. For payloads that cross a slow link.
+    (``_messages``), :func:`all_gather_single` elsewhere. For payloads that cross a slow link.
 
     Example::
 
@@ -80,10 +80,10 @@ def all_gather_messages(
 
 
 class Messages:
-    """The point-to-point messages of one exchange (:func:`_messages`) as one work handle.
+    """The point-to-point messages of one exchange (``_messages``) as one work handle.
 
     Gloo's handles of messages say they are complete only once waited for, so a thread waits for them, and
-    :meth:`is_completed` asks whether it is done (:func:`wait_all` polls it between looks at whether to abandon).
+    ``is_completed()`` asks whether it is done (:func:`wait_all` polls it between looks at whether to abandon).
     """
 
     def __init__(self, work: list[dist.Work]) -> None:

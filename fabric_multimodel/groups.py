@@ -3,7 +3,7 @@
 Clusters are islands: fast links inside a node, slow ones between nodes. Two layouts use these groups:
 
 - *islands*: every model's DDP synchronises inside the node each step
-  (``setup_models(..., process_group=groups.node)``) and an :class:`Averager` averages across nodes
+  (``setup_models(..., process_group=groups.node)``) and an :class:`~fabric_multimodel.Averager` averages across nodes
   (``Averager(..., process_group=groups.across)``);
 - *two-level averaging*: DDP over the world during warm-up, then local steps, a round inside the
   node every ``node_period`` steps and across the world every ``period`` steps

@@ -137,7 +137,7 @@ def shutdown() -> None:
     A gloo worker thread that still holds a finished collective's tensors while Python finalises
     can abort the process (``terminate called without an active exception``) after a run that
     succeeded. Call this once the objects that hold the process group are gone (the models from
-    :func:`setup_models`, their optimizers, the :class:`Averager`): it collects them and destroys
+    :func:`setup_models`, their optimizers, the :class:`~fabric_multimodel.Averager`): it collects them and destroys
     the group, which joins those threads while Python is still whole. The simplest way is to
     train inside a function and call ``shutdown()`` after it returns.
 

@@ -77,6 +77,7 @@ DEFAULT_BLOCK_SIZE = 32
 #: Elements quantized per batch of kernels unless ``chunk_elements`` says otherwise: on CPU, scratch that
 #: stays in cache (2**20 is up to 3x slower for E2M1); on other devices (GPUs), fewer kernel launches.
 CHUNK_ELEMENTS = {"cpu": 1 << 18}
+#: Elements per batch of kernels on a device :data:`CHUNK_ELEMENTS` names none of.
 DEVICE_CHUNK_ELEMENTS = 1 << 22
 
 # Scales never go below the smallest normal fp32: their reciprocal stays finite, and a block of
@@ -445,7 +446,7 @@ class QuantizedMean:
         ``bytes`` is the all-to-all's input (codes, scales, exact channel and padding); the
         all-gather moves as much again across the ranks, as a ring allreduce moves ``2(W-1)/W`` of
         its input, so ``bytes`` compares with an allreduce's input bytes (``4 * elements`` for fp32).
-        Zero with one rank, as for :class:`fabric_multimodel.rounds.Round`.
+        Zero with one rank, as for an averaging round.
         """
         if self.world == 1:
             return Traffic()

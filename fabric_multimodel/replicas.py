@@ -58,7 +58,7 @@ def average_models(
     NaN or Inf (one rank's NaN reaches every rank) raises :class:`NonFiniteError` on every rank.
     Returns the :class:`Traffic` sent. There is no ``comm_dtype`` here: without an anchor common to
     all ranks, a half-precision payload would round the parameters themselves (the
-    :class:`Averager` has one).
+    :class:`~fabric_multimodel.Averager` has one).
 
     Example::
 

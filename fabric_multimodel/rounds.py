@@ -1,4 +1,5 @@
-"""What an averaging round does, apart from when it happens (that is the :class:`Averager`'s schedule).
+"""What an averaging round does, apart from when it happens (that is its :class:`~fabric_multimodel.Averager`'s
+schedule).
 
 A round fills a payload, allreduces it (one collective per payload buffer, launched
 asynchronously) and merges the result into the replicas. Two kinds live here:

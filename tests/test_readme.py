@@ -1,4 +1,5 @@
-"""The README says what is true: CI runs its test command, and its API table names every public name."""
+"""The README says what is true: CI runs its test command, its API table names every public name, and its links lead
+to files that exist."""
 
 from __future__ import annotations
 
@@ -56,3 +57,9 @@ def test_ci_pins_every_lower_bound_it_installs():
 def test_the_readme_names_the_versions_ci_tests():
     pins = dict(line.split("==") for line in (ROOT / ".ci" / "oldest.txt").read_text().splitlines() if "==" in line)
     assert f"torch {pins['torch']}" in README and f"Lightning {pins['lightning']}" in README
+
+
+def test_every_link_of_the_readme_leads_to_a_file():
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    missing = [target for target in targets if not (ROOT / target).exists()]
+    assert targets and not missing, missing
