@@ -453,7 +453,12 @@ def join_options(fabric: Fabric, args: argparse.Namespace) -> dict[str, Any]:
     if not args.coordinator:
         return {}
     membership = Membership(
-        args.coordinator, args.site, device=fabric.device, min_sites=args.min_sites, timeout=args.timeout
+        args.coordinator,
+        args.site,
+        device=fabric.device,
+        min_sites=args.min_sites,
+        timeout=args.timeout,
+        on_transfer=functools.partial(transfer_progress, fabric, "membership: receiving the state"),
     )
     return {"membership": membership}
 
@@ -552,18 +557,6 @@ def link_line(averager: Averager, end_seconds: float, end_bytes: int) -> str:
     """``link: start_bytes=... end_round_bytes=... end_round_s=...``: what the averager's start and its last round
     (leaving the block) cost this rank, beyond the rounds of the schedule."""
     return f"link: start_bytes={averager.start_traffic.bytes} end_round_bytes={end_bytes} end_round_s={end_seconds:.2f}"
-
-
-def clock(step: int, averager: Averager | None) -> int:
-    """When the ranks act together (a stop, a periodic checkpoint): the step; with ``--pace speed``, where the
-    sites make different steps but the same rounds, 0 in warm-up and then the fastest site's step at the last
-    round. (A clock of steps would tie a fast site to a slow one: a vote launched at a step is read some steps
-    later, so the fast site could never run more than that ahead, and warm-up would measure them alike.)"""
-    if averager is None or averager.config.pace != "speed":
-        return step
-    if averager.pace is None:
-        return 0
-    return averager.warmup_steps + max(averager.pace.periods) * averager.rounds
 
 
 def paced(averager: Averager | None) -> bool:
@@ -687,7 +680,7 @@ def resume(
     try:
         if sharded and args.resume == AUTO:
             found = checkpointer.resume(
-                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
+                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric, "--resume auto")
             )
             if found is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
@@ -701,7 +694,7 @@ def resume(
             extra = load_sharded_run(fabric, path, state, same_settings)
         elif args.resume == AUTO:
             resumed = checkpointer.resume(
-                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric)
+                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric, "--resume auto")
             )
             if resumed is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
@@ -766,10 +759,11 @@ def load_sharded_run(
     return {}
 
 
-def transfer_progress(fabric: Fabric, done: int, total: int, seconds: float) -> None:
-    """``resume_latest``'s progress on a long transfer, printed by each node's first process."""
+def transfer_progress(fabric: Fabric, what: str, done: int, total: int, seconds: float) -> None:
+    """A long transfer's progress (``resume_latest``'s, a joining site's state), printed by each node's first
+    process: ``<what>: 1.00 of 9.00 MB in 8.1 s``."""
     if fabric.local_rank == 0:
-        print(f"--resume auto: {done / 1e6:.2f} of {total / 1e6:.2f} MB in {seconds:.1f} s", flush=True)
+        print(f"{what}: {done / 1e6:.2f} of {total / 1e6:.2f} MB in {seconds:.1f} s", flush=True)
 
 
 def transfer_summary(resumed: Resumed) -> str:

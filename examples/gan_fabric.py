@@ -51,7 +51,6 @@ from common import (
     averager_options,
     averaging_line,
     check_arguments,
-    clock,
     comm_line,
     data_rank,
     final_line,
@@ -302,7 +301,7 @@ def train(args: argparse.Namespace) -> int | None:
                 if args.dataset == "ring" and (fabric.is_global_zero or sharded):  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
-            before, now = now, clock(step, averager)
+            before, now = now, averager.clock(step) if averager else step
             # A paced site's last step can be another's round, after which that one acts: all act alike there.
             final = step == args.steps and not paced(averager)
             if not final and stop.requested(now):

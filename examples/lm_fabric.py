@@ -65,7 +65,6 @@ from common import (
     averager_options,
     averaging_line,
     check_arguments,
-    clock,
     comm_line,
     data_rank,
     fail,
@@ -509,7 +508,7 @@ def train(args: argparse.Namespace) -> int | None:
                 if fabric.is_global_zero:
                     state["history"].append([step, sent(), metrics["val_loss"]])
                 fabric.log_dict(metrics, step=step)
-            before, now = now, clock(step, averager)
+            before, now = now, averager.clock(step) if averager else step
             # A paced site's last step can be another's round, after which that one acts: all act alike there.
             final = step == args.steps and not paced(averager)
             if not final and stop.requested(now):

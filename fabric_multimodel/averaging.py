@@ -373,6 +373,26 @@ class Averager:
             return total
         return paced_steps(total, self.warmup_steps, self.period, self._fastest_period)
 
+    def clock(self, step: int) -> int:
+        """A count on which every site acts at the same moment (a stop, a periodic checkpoint): ``step``, this rank's
+        iteration count, itself; with ``pace="speed"``, where the sites make different numbers of steps but take part
+        in the same rounds, 0 in warm-up and then the fastest site's step at the last round. No collective.
+
+        (A count of steps would tie a fast site to a slow one: a stop voted at a step and read some steps later
+        would hold the fast site that close to the slow one.)
+
+        Example::
+
+            before, now = now, averager.clock(step)
+            if now // every > before // every:  # every site crosses the same multiple after the same round
+                checkpointer.save(state)
+        """
+        if self.config.pace != "speed":
+            return step
+        if self.pace is None:
+            return 0
+        return self.warmup_steps + max(self.pace.periods) * self.rounds
+
     def _reset_counters(self) -> None:
         #: ``step()`` calls so far.
         self.steps = 0
@@ -979,7 +999,9 @@ class Averager:
             post_bytes(payload, behind, self._device, group)
             self.state_traffic = Traffic(len(payload), len(payload) * len(behind))
         elif mine in behind:
-            data, size = relay_bytes([(source, mine)], None, self._device, group=group)
+            assert self.membership is not None
+            progress = self.membership.on_transfer
+            data, size = relay_bytes([(source, mine)], None, self._device, progress, group=group)
             self.state_traffic = Traffic(size, size)
             return data
         return None

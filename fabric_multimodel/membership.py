@@ -131,6 +131,8 @@ class Membership:
             them is gone.
         run: the run's name: the store's keys are under it, so one coordinator can serve several runs.
         max_sites: the most members an epoch may have (sites past it wait for a place).
+        on_transfer: called as ``on_transfer(bytes_done, bytes_total, seconds)`` every few seconds and at the end
+            while this site receives the state of the run from a member (it joined, or missed a round).
 
     Build it once the site's own world started (``fabric.launch()``): a site of several processes is the default
     process group, and every site of the run must have as many.
@@ -154,6 +156,7 @@ class Membership:
         heartbeat_s: float = 0.5,
         run: str = "run",
         max_sites: int = 64,
+        on_transfer: Callable[[int, int, float], None] | None = None,
     ) -> None:
         host, _, port = coordinator.rpartition(":")
         if not host or not port.isdigit():
@@ -171,6 +174,7 @@ class Membership:
         self.site, self.min_sites, self.max_sites = site, min_sites, max_sites
         self.timeout, self.heartbeat_s = float(timeout), float(heartbeat_s)
         self.device = torch.device(device)
+        self.on_transfer = on_transfer
         self._address = (host, int(port))
         self._run = run
         #: This process's rank in its site, and the site's processes (its own world: 1 when it has none).

@@ -23,7 +23,7 @@ def _leave_abruptly(queue: Any, report: Any) -> None:
     os._exit(0)
 
 
-def _membership(address: str, name: str, plan: dict[str, Any]) -> Membership:
+def _membership(address: str, name: str, plan: dict[str, Any], **more: Any) -> Membership:
     return Membership(
         address,
         name,
@@ -31,6 +31,7 @@ def _membership(address: str, name: str, plan: dict[str, Any]) -> Membership:
         timeout=plan.get("timeout", 5.0),
         heartbeat_s=0.5,
         run=plan["run"],
+        **more,
     )
 
 
@@ -71,8 +72,9 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     before that step; ``receive_delay_s``: a site that joins receives the state that much later; ``poison``: its
     parameters are multiplied by 100 once it joined. Reports, under the site's name (``name/i`` from its process
     i > 0), the epochs it saw, its final parameters' fingerprint (FSDP2: its shard's) and its optimizer state's,
-    its steps, its period (None: "auto" chose none), its last and highest loss, its membership wait and, per epoch
-    entered, the collectives of its start, their seconds and the state bytes it received or sent."""
+    its steps, its period (None: "auto" chose none), its last and highest loss, its membership wait, what
+    ``on_transfer`` said and, per epoch entered, the collectives of its start, their seconds and the state bytes it
+    received or sent."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
     from fabric_multimodel.optimizer_state import optimizer_state
@@ -142,7 +144,8 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     if "outer_lr" in options:
         outer_lr = options.pop("outer_lr")
         options["outer_optimizer"] = functools.partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True)
-    membership = _membership(address, name, plan)
+    transfers: list[tuple[int, int]] = []  # what on_transfer said: (bytes done, bytes in all)
+    membership = _membership(address, name, plan, on_transfer=lambda done, total, _: transfers.append((done, total)))
     generator = torch.Generator().manual_seed(sum(map(ord, name)) + local_rank)
     epochs = []
     worst = 0.0
@@ -175,6 +178,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         "loss": float(loss.detach()),
         "worst": worst,  # the highest loss of its steps
         "starts": [e for e in entries if "epoch" in e],
+        "transfers": transfers,
     }
     membership.close()
     if "site_port" in plan:

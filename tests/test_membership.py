@@ -160,6 +160,8 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
         assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
     (entered,) = finished["d"]["starts"]
     assert entered["seconds"] >= 2.0 and entered["state_bytes"] > 0
+    assert finished["d"]["transfers"][-1] == (entered["state_bytes"],) * 2  # its progress, to the last byte
+    assert not finished["b"]["transfers"] and not finished["c"]["transfers"]  # they received nothing
     for name in "bc":  # the state crossed while they trained on: entering d's epoch took them no 2 s
         (entry,) = [s for s in finished[name]["starts"] if s["epoch"] == entered["epoch"]]
         assert entry["seconds"] < 1.0, f"{name} took {entry['seconds']:.2f} s to enter the epoch d joined"

@@ -82,17 +82,18 @@ def paced_run(fabric, options: dict, total: int):
     (model,) = setup_models(fabric, m=nn.Linear(3, 1, bias=False), process_group=sites_of_one(fabric))
     start = model.weight.detach().clone()
     increment = float(fabric.global_rank + 1)
-    steps, last = 0, total
+    steps, last, clocks = 0, total, []
     with Averager(fabric, model, period=PERIOD, warmup_steps=WARMUP, pace="speed", **options) as averager:
         while steps < last:
             time.sleep(SLEEP_S[fabric.global_rank])
             with torch.no_grad():
                 model.weight.add_(increment)
             steps += 1
-            averager.step()
+            if averager.step():
+                clocks.append(averager.clock(steps))
             last = averager.local_steps(total)
     in_sync = bool(replicas_in_sync(fabric, model))
-    found = {"pace": averager.pace, "steps": steps, "rounds": averager.rounds, "in_sync": in_sync}
+    found = {"pace": averager.pace, "steps": steps, "rounds": averager.rounds, "in_sync": in_sync, "clocks": clocks}
     found |= {"moved": (model.weight.detach() - start).flatten().tolist()}
     found["gather"] = collectives(gather_step_times, 0.01, fabric.device, None, None)
     # A checkpoint keeps the pace: a fresh Averager that loads it runs this site's steps per round at once.
@@ -118,6 +119,8 @@ def test_a_slow_site_runs_fewer_steps_and_counts_for_them(worlds, options):
     assert periods[0] == PERIOD and 1 <= periods[1] < PERIOD, fast["pace"]
     assert fast["steps"] == total and slow["steps"] == paced_steps(total, WARMUP, periods[1], PERIOD) < total
     assert fast["rounds"] == slow["rounds"] == 3 and fast["in_sync"] and slow["in_sync"]
+    # after each round both sites read the same clock: the fastest site's step there
+    assert fast["clocks"] == slow["clocks"] == [WARMUP + PERIOD, WARMUP + 2 * PERIOD]
     # Each round is the mean of the sites weighted by their local steps per round (the last one's too): after the
     # last, both replicas moved by the weighted sum of what each site moved (its steps times its increment).
     assert weights == pytest.approx((periods[0] / sum(periods), periods[1] / sum(periods)))
