@@ -458,7 +458,7 @@ def join_options(fabric: Fabric, args: argparse.Namespace) -> dict[str, Any]:
         device=fabric.device,
         min_sites=args.min_sites,
         timeout=args.timeout,
-        on_transfer=functools.partial(transfer_progress, fabric, "membership: receiving the state"),
+        on_transfer=functools.partial(transfer_progress, fabric, "the run's state"),
     )
     return {"membership": membership}
 
