@@ -1,9 +1,10 @@
 """The smallest loop with every part: streaming DiLoCo with fp8 rounds, checkpoints after rounds that send nothing,
-a clean stop on SIGTERM, and a resume from --out when the same command runs again.
+a clean stop on SIGTERM, a resume from --out when the same command runs again, and sites that join a running run.
 
     fabric run --accelerator cpu --devices 2 examples/minimal_loop.py --steps 400 --out runs/minimal
     torchrun --nproc-per-node 2 examples/minimal_loop.py --steps 400 --out runs/minimal
     python -m fabric_multimodel.sites --sites 2 --devices 1 --bandwidth 10mbit -- examples/minimal_loop.py
+    SITE=a python examples/minimal_loop.py --coordinator HOST:29400  # python -m fabric_multimodel.coordinator
 """
 
 import argparse
@@ -15,47 +16,44 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from fabric_multimodel import Averager, Checkpointer, PreemptionStop, setup_models
+from fabric_multimodel import Averager, Checkpointer, Membership, PreemptionStop, setup_models
 
 
-def batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1000 * step + rank))  # a resumed run reads on
-    return x.to(device), x.sin().sum(1, keepdim=True).to(device)
+def loss_of(model: nn.Module, step: int, rank: int, device: torch.device) -> torch.Tensor:
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1000 * step + rank)).to(device)  # resumes read on
+    return nn.functional.mse_loss(model(x), x.sin().sum(1, keepdim=True))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--out", default="runs/minimal", help="checkpoints; a run started again resumes from here")
+    p.add_argument("--coordinator", help="HOST:PORT: this world is site $SITE of a run whose sites come and go")
     args = p.parse_args()
     world, per_node = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cli = os.environ.get("LT_CLI_USED") == "1"  # `fabric run` started the processes and passes its options
-    shape = {} if cli else {"devices": per_node, "num_nodes": world // per_node}  # torchrun's, or one process
+    shape = {} if os.environ.get("LT_CLI_USED") == "1" else {"devices": per_node, "num_nodes": world // per_node}
     fabric = Fabric(strategy="ddp" if world > 1 else "auto", **shape)
-    if not cli:
+    if shape:  # torchrun's processes, or one; `fabric run` started its own and passes its options
         fabric.launch()
     torch.manual_seed(0)
     (model,) = setup_models(fabric, model=nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-    averager = Averager(
-        fabric, model, period=32, warmup_steps=0, fragments=2, overlap_steps=2,
-        outer_optimizer=outer, comm_dtype=torch.float8_e4m3fn,
-    )  # fmt: skip
+    membership = Membership(args.coordinator, os.environ["SITE"], device=fabric.device) if args.coordinator else None
+    averager = Averager(fabric, model, period=32, warmup_steps=0, fragments=2, overlap_steps=2, outer_optimizer=outer,
+                        comm_dtype=torch.float8_e4m3fn, membership=membership)  # fmt: skip
     checkpointer = Checkpointer(fabric, args.out, averager=averager)
-    state = {"model": model, "optimizer": optimizer, "averager": averager, "step": 0}
-    if checkpointer.resume(state):
-        fabric.print(f"resumed at step {state['step']} from {args.out}")
+    state = {"model": model, "optimizer": optimizer, "averager": averager, "step": averager.steps}  # a joiner's too
+    if (membership is None and checkpointer.resume(state)) or state["step"]:  # or it joined a run under way
+        fabric.print(f"resumed at step {state['step']} from {args.coordinator or args.out}")
     stop, wall = PreemptionStop(), time.perf_counter()
     with averager:
         while state["step"] < args.steps:
-            x, y = batch(state["step"], fabric.global_rank, fabric.device)
-            loss = nn.functional.mse_loss(model(x), y)
-            fabric.backward(loss)
+            fabric.backward(loss_of(model, state["step"], fabric.global_rank, fabric.device))
             optimizer.step()
             optimizer.zero_grad()
             averager.step()
-            state["step"] += 1
+            state["step"] = averager.steps
             if averager.finished_at == averager.steps and not averager.pending:  # a round ended: save, send nothing
                 checkpointer.after_round(state)
             # Stop where no round is in flight, so that the run resumed goes on exactly as it would have.
@@ -64,14 +62,15 @@ def main() -> int:
                 break
     stop.close()
     checkpointer.close()  # a write in the background lands before the exit
+    if membership is not None:  # the run's end: a site still waiting to be admitted stops waiting
+        membership.close(finished=state["step"] >= args.steps)
     if state["step"] < args.steps:
         fabric.print(f"stopped by SIGTERM at step {state['step']}; the same command resumes it")
         return 143
-    x, y = batch(10**6, 0, fabric.device)  # held out: no step reads it; every replica is the same now
-    val_loss = nn.functional.mse_loss(model(x), y)
+    val_loss, seconds = loss_of(model, 10**6, 0, fabric.device).item(), time.perf_counter() - wall  # held out
     fabric.print(
-        f"final: steps={state['step']} val_loss={val_loss.item():.6f} wall_s={time.perf_counter() - wall:.1f}"
-        f" comm_bytes={averager.traffic.bytes} rounds={averager.rounds}"
+        f"final: steps={state['step']} val_loss={val_loss:.6f} wall_s={seconds:.1f} comm_bytes={averager.traffic.bytes}"
+        f" rounds={averager.rounds}"
     )
     return 0
 

@@ -1,5 +1,6 @@
 """examples/minimal_loop.py, 2 processes under `fabric run`: stopped by a SIGTERM to the launcher mid-run and started
-again with the same command, it ends exactly as a run that was never stopped."""
+again with the same command, it ends exactly as a run that was never stopped. And as two sites of a live membership,
+started as a user starts them: the second joins the first's run and both end with the same model."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FABRIC = Path(sys.executable).parent / "fabric"
 KEYS = ("steps", "val_loss", "wall_s", "comm_bytes", "rounds")
 STEPS = 200
+SITE_STEPS = 1500  # the second site joins after a few hundred (607 when written): it starts as the first does
 TIMEOUT_S = 300
 
 
@@ -32,6 +34,24 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     finally:
         stop_process_tree(proc)
     return proc.returncode, stdout, stderr
+
+
+def start_sites(folder: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    """The coordinator and two sites of a live membership, each a plain `python` process of its own, started as a
+    user starts them: the first to register starts the run alone, the second joins it at a round boundary."""
+    port = free_port()
+    command = [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", str(port)]
+    coordinator = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert coordinator.stdout is not None and "serving on port" in coordinator.stdout.readline()
+    sites = []
+    for site in ("a", "b"):
+        cmd = [sys.executable, "examples/minimal_loop.py", "--steps", str(SITE_STEPS), "--out", str(folder / site)]
+        cmd += ["--coordinator", f"127.0.0.1:{port}"]
+        env = {**os.environ, "SITE": site}
+        sites.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    return coordinator, sites
 
 
 def test_a_run_stopped_by_sigterm_and_started_again_ends_as_one_never_stopped(tmp_path: Path) -> None:
@@ -55,3 +75,19 @@ def test_a_run_stopped_by_sigterm_and_started_again_ends_as_one_never_stopped(tm
     expected, resumed = parse_final_line(uninterrupted, KEYS), parse_final_line(again, KEYS)
     for key in ("steps", "val_loss", "comm_bytes", "rounds"):
         assert resumed[key] == expected[key], (key, resumed, expected)
+
+
+def test_a_site_joins_a_run_under_way_and_both_end_with_the_same_model(tmp_path: Path) -> None:
+    coordinator, sites = start_sites(tmp_path)
+    try:
+        results = [finish(site) for site in sites]
+    finally:
+        for proc in [*sites, coordinator]:
+            stop_process_tree(proc)
+    for code, out, err in results:
+        assert code == 0, out[-2000:] + err[-3000:]
+    finals = [parse_final_line(out, KEYS) for _, out, _ in results]
+    assert finals[0]["steps"] == finals[1]["steps"] == str(SITE_STEPS), finals
+    assert finals[0]["val_loss"] == finals[1]["val_loss"] and finals[0]["rounds"] == finals[1]["rounds"], finals
+    joined = [out.split("resumed at step ")[1].split()[0] for _, out, _ in results if "resumed at step " in out]
+    assert len(joined) == 1 and int(joined[0]) > 0, [out[-1000:] for _, out, _ in results]  # the second site
