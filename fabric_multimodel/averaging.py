@@ -7,6 +7,7 @@ things happen :mod:`fabric_multimodel.schedule`'s, what a round does :mod:`fabri
 
 from __future__ import annotations
 
+import functools
 import io
 import statistics
 import time
@@ -327,20 +328,28 @@ class Averager:
         self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
         self._set_period(period)
 
+    def _agreed(self, collectives: Callable[[], _T], what: str) -> _T:
+        """``collectives()``; with a membership, a failure on any process of this site (a member lost) is a
+        :class:`PeerError` on all of them, as a round's is, so that the site moves as one."""
+        if self.membership is None:
+            return collectives()
+        failure: RuntimeError | None = None
+        try:
+            result = collectives()
+        except RuntimeError as error:
+            failure = error
+        if not self.membership.agree(failure is None):
+            raise PeerError(f"{what} failed: {failure or 'on another process of this site'}") from failure
+        return result
+
     def _across_sites(self, collectives: Callable[[], _T]) -> _T:
         """``collectives()`` over ``process_group``; with a membership, over the next epoch's group again when a
-        member is lost meanwhile (a site's processes agree first, so that it moves as one)."""
+        member is lost meanwhile."""
         while True:
-            failure: RuntimeError | None = None
             try:
-                result = collectives()
-            except RuntimeError as error:
-                if self.membership is None:
-                    raise
-                failure = error
-            if self.membership is None or self.membership.agree(failure is None):
-                return result
-            self._recover()
+                return self._agreed(collectives, "measuring across the sites")
+            except PeerError:
+                self._recover()
 
     def _site_step_times(self) -> list[float]:
         """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
@@ -817,15 +826,9 @@ class Averager:
         membership = self.membership
         if membership is None:
             return self._optimizer_state.all_reduce_mean_(self.process_group)
-        failure, sent = None, Traffic()
-        try:
-            scale = self._round.scale
-            sent = self._optimizer_state.all_reduce_mean_(self.process_group, scale=scale, abandon=membership.failing)
-        except RuntimeError as error:
-            failure = error
-        if not membership.agree(failure is None):
-            raise PeerError(f"{label}: averaging the optimizers' state failed: {failure or 'on another process'}")
-        return sent
+        state, scale = self._optimizer_state, self._round.scale
+        average = functools.partial(state.all_reduce_mean_, self.process_group, scale=scale, abandon=membership.failing)
+        return self._agreed(average, f"{label}: averaging the optimizers' state")
 
     def _exchange(self) -> bool:
         """Move the round in flight to its second phase; starts no round."""

@@ -555,11 +555,14 @@ def post_bytes(payload: bytes, receivers: Sequence[int], device: torch.device, g
     """
     buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     size = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
-    work = []
+    work: list[dist.Work] = []
+
+    def post(tensor: torch.Tensor, peer: int) -> None:
+        work.append(group.send([tensor], peer, STATE_TAG))
+
     for receiver in receivers:
-        work.append(group.send([size], receiver, STATE_TAG))
-        chunks = range(0, buffer.numel(), CHUNK_BYTES)
-        work += [group.send([buffer[offset : offset + CHUNK_BYTES]], receiver, STATE_TAG) for offset in chunks]
+        post(size, receiver)
+        _chunks(buffer, post, receiver, None)
     return Messages(work)
 
 
