@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -259,12 +260,21 @@ def test_an_existing_out_folder_is_never_overwritten(capsys, tmp_path):
 @pytest.mark.skipif(shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists(), reason="setpriv")
 def test_not_root_is_one_line_and_exit_2():
     """As user nobody, with the system's Python (nobody cannot read this one under /root): the tool needs only
-    the standard library, and the package imports nothing else until a name is used."""
-    proc = subprocess.run(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-m",
-         "fabric_multimodel.sites", "--sites", "2", "--devices", "1", "--bandwidth", "10mbit", "--", TASK],
-        capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    the standard library, and the package imports nothing else until a name is used. The package and the task are
+    copied where nobody can read them (a checkout may lie in a folder only root reads, as a clone into `mktemp -d`
+    does)."""
+    readable = Path(tempfile.mkdtemp(prefix="fmm-nobody-"))
+    try:
+        readable.chmod(0o755)
+        shutil.copytree(ROOT / "fabric_multimodel", readable / "fabric_multimodel")
+        task = shutil.copy(TASK, readable)
+        proc = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-m",
+             "fabric_multimodel.sites", "--sites", "2", "--devices", "1", "--bandwidth", "10mbit", "--", task],
+            capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"], "PYTHONPATH": str(readable)},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(readable)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == "sites: error: needs root: it makes network namespaces and qdiscs (run it with sudo)\n"
 

@@ -70,8 +70,11 @@ def preconditions(script: str | Path, sites: int, devices: int) -> str | None:
         return f"--sites must be >= 1, got {sites}"
     if devices < 1:
         return f"--devices must be >= 1, got {devices}"
-    if not Path(script).is_file():
-        return f"{script}: no such script"
+    try:
+        if not Path(script).is_file():
+            return f"{script}: no such script"
+    except OSError as error:  # a folder this user may not enter
+        return f"{script}: {error.strerror}"
     if os.geteuid() != 0:
         return "needs root: it makes network namespaces and qdiscs (run it with sudo)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
