@@ -112,7 +112,6 @@ def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_g
     refused = {
         "process_group": process_group is not None,
         "node_group (two-level averaging)": node_group is not None or config.node_period is not None,
-        "pace='speed'": config.pace == "speed",
     }
     for option, given in refused.items():
         if given:

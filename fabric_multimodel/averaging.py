@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -45,7 +47,15 @@ from fabric_multimodel.config import AveragerConfig
 from fabric_multimodel.membership import Epoch, Membership, catch_up
 from fabric_multimodel.models import Models
 from fabric_multimodel.optimizer_state import OptimizerStateStorage
-from fabric_multimodel.pacing import Pace, gather_step_times, paced, paced_steps
+from fabric_multimodel.pacing import (
+    Pace,
+    gather_pace,
+    gather_step_times,
+    last_round,
+    paced,
+    paced_steps,
+    rounds_origin,
+)
 from fabric_multimodel.replicas import HasDevice, Modules
 from fabric_multimodel.rounds import AveragingError, Header, PeerError, Stamp
 from fabric_multimodel.schedule import Event, Schedule
@@ -264,6 +274,11 @@ class Averager:
         self._fastest_period = config.period if isinstance(config.period, int) else 0
         self._step_gaps: list[float] = []
         self._last_step: float | None = None
+        # pace="speed" under a membership, agreed again at each epoch: the seconds of this rank's latest steps
+        # without a round, and where this site's pace began (its step at a round, and the fastest site's then)
+        self._recent_gaps: deque[float] | None = deque(maxlen=32) if membership and config.pace == "speed" else None
+        self._pace_since: tuple[int, int] | None = None
+        self._pace_due = False  # an epoch began: agree the pace again at its first round boundary
         self._site = placement.site
         self._set_period(built.period)
         self._device = fabric.device
@@ -287,16 +302,17 @@ class Averager:
             self._check_agreement(built.agreement)
             self.start_traffic = self._start_islands()
 
-    def _set_period(self, period: int) -> None:
+    def _set_period(self, period: int, start: int | None = None) -> None:
         #: Local steps between rounds (with ``period="auto"``: the smallest allowed until the end of warm-up).
         self.period = period
         self.schedule = Schedule(
             period,
-            self.warmup_steps,
+            self.warmup_steps if start is None else start,  # a pace agreed again: rounds every period from there
             fragments=self.fragments,
             overlap_steps=self.overlap_steps,
             node_period=self.node_period,
             phases=self._round.phases,
+            ends_warmup=start is None,
         )
 
     def _warmup_gaps(self, option: str) -> list[float]:
@@ -354,16 +370,59 @@ class Averager:
     def _site_step_times(self) -> list[float]:
         """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
         The mean, not the median: a site held back in bursts (a CPU quota, a shared GPU) is as slow as its mean."""
-        step_s = statistics.fmean(self._warmup_gaps("pace='speed'"))
+        step_s = statistics.fmean(self._warmup_gaps("pace='speed'")) if self.membership is None else self._own_step_s()
         return gather_step_times(step_s, self._device, self.process_group, self._site)
 
-    def _set_pace(self, pace: Pace) -> None:
-        """Run this site's local steps per round, and weight its rounds by them."""
+    def _own_step_s(self) -> float:
+        """pace="speed" under a membership: this rank's step time, the mean of its latest steps without a round (of
+        the warm-up's until it has two of those); NaN when it timed none (a site that just joined)."""
+        recent = self._recent_gaps
+        gaps = recent if recent is not None and len(recent) >= 2 else self._step_gaps
+        return statistics.fmean(gaps) if gaps else math.nan
+
+    def _set_pace(self, pace: Pace, since: tuple[int, int] | None = None) -> None:
+        """Run this site's local steps per round, and weight its rounds by them: from the end of warm-up, or from
+        ``since``, a round position (this site's step and the fastest site's there; see ``last_round``)."""
         mine = group_rank(self.process_group)
-        self.pace = pace
+        self.pace, self._pace_since, self._pace_due = pace, since, False
         # periods[mine] * W / sum(periods): exactly 1.0 when every site runs the same steps
         self._round.scale = pace.periods[mine] * len(pace.periods) / sum(pace.periods)
-        self._set_period(pace.periods[mine])
+        period = pace.periods[mine]
+        if since is None:
+            self._set_period(period)
+        else:
+            self._set_period(period, rounds_origin(since[0], self.steps, period))
+
+    def _pace_position(self) -> int:
+        """Under a membership, where this site's last round position fell in the fastest site's steps (-1 before a
+        pace): what a site entering the members' next round counts from."""
+        if self.pace is None:
+            return -1
+        since = self._pace_since or (self.warmup_steps, self.warmup_steps)
+        return last_round(since, self.period, self._fastest_period, self.steps)[1]
+
+    def _gather_pace(self, behind: bool) -> tuple[list[float], int]:
+        """Every member's step time and the members' last round position (see :meth:`_repace`); two collectives."""
+        position = -1 if behind else self._pace_position()
+        return gather_pace(self._own_step_s(), position, self._device, self.process_group, self._site)
+
+    def _repace(self, step_s: list[float], position: int, behind: bool) -> None:
+        """The pace agreed again among the members from their step times: a member runs its new steps per round from
+        its last round (a change between rounds, in a ``sync()``, weighs the rounds by it at once, and the steps
+        change when it is agreed again at the next boundary); a member behind (a site that joined) enters the
+        members' next round as the fastest site would, at its next step, and runs ``period`` steps per round until
+        it timed its steps."""
+        pace = paced(self._fastest_period, step_s)
+        if behind:
+            self.steps = position + self._fastest_period - 1
+            self._set_pace(pace, (self.steps + 1, self.steps + 1))
+            return
+        since = self._pace_since or (self.warmup_steps, self.warmup_steps)
+        since = last_round(since, self.period, self._fastest_period, self.steps)
+        if since[0] == self.steps:
+            self._set_pace(pace, since)
+        else:
+            self.pace = pace
 
     def local_steps(self, total: int) -> int:
         """How many ``step()`` calls this rank makes in a run of ``total`` steps of the fastest site: ``total``
@@ -380,7 +439,7 @@ class Averager:
         """
         if self.pace is None:
             return total
-        return paced_steps(total, self.warmup_steps, self.period, self._fastest_period)
+        return paced_steps(total, self.warmup_steps, self.period, self._fastest_period, since=self._pace_since)
 
     def clock(self, step: int) -> int:
         """A count on which every site acts at the same moment (a stop, a periodic checkpoint): ``step``, this rank's
@@ -556,13 +615,16 @@ class Averager:
         if self._ddp_settings is None:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
-        if self._times_warmup and self.steps <= self.warmup_steps:
+        gaps = self._step_gaps if self.steps <= self.warmup_steps else self._recent_gaps
+        if self._times_warmup and gaps is not None:
             now = time.perf_counter()
             if self._last_step is not None:
-                self._step_gaps.append(now - self._last_step)
+                gaps.append(now - self._last_step)
             self._last_step = now
         started = False
         events = self.schedule.at(self.steps)
+        if events and self.steps > self.warmup_steps:  # the gap to the next step() holds this round: not a step's time
+            self._last_step = None
         if events:
             with self._round.storage.synced():
                 try:
@@ -629,7 +691,7 @@ class Averager:
             state["fragments_synced_at"] = list(self._synced_at)
         if self.config.period == "auto":  # what was chosen
             state["period_choice"] = list(self.period_choice) if self.period_choice else None
-        if self.config.pace == "speed":  # what the sites agreed
+        if self.config.pace == "speed" and self.membership is None:  # what the sites agreed (a membership: each epoch)
             state["pace"] = [list(values) for values in self.pace] if self.pace else None
         if self._times_warmup:  # the warm-up's step times measured so far
             state["warmup_step_s"] = list(self._step_gaps)
@@ -660,7 +722,7 @@ class Averager:
             raise ValueError(f"Averager.load_state_dict: {error}") from None
         self.steps, self.rounds, self._synced_at = values["steps"], values["rounds"], synced_at
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
-        if self._times_warmup:
+        if self._times_warmup and self.membership is None:  # a site's own speed, not that of the member it came from
             self._step_gaps, self._last_step = gaps, None
         if self.config.period == "auto":
             self.period_choice = choice
@@ -713,7 +775,10 @@ class Averager:
         return choice, gaps
 
     def _checked_pace(self, state: dict[str, Any], steps: int) -> Pace | None:
-        """pace="speed": the state's agreed pace (None: not agreed yet), checked against this group."""
+        """pace="speed": the state's agreed pace (None: not agreed yet), checked against this group. Under a
+        membership, none: the members agree it at each epoch."""
+        if self.membership is not None:
+            return None
         if self.config.pace != "speed" or state.get("pace") is None:
             if self.config.pace == "speed" and steps > self.warmup_steps:
                 raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no pace.")
@@ -769,7 +834,7 @@ class Averager:
         if self.config.period == "auto" and self.period_choice is None:
             self._choose_period()
         if self.config.pace == "speed" and self.pace is None:
-            self._set_pace(paced(self._fastest_period, self._site_step_times()))
+            self._set_pace(paced(self._fastest_period, self._across_sites(self._site_step_times)))
         self._apply_phase()
         if self._apart:  # the nodes or sites trained apart: their first rounds are plain means, and set the anchors
             self._round.release_anchors()
@@ -793,7 +858,7 @@ class Averager:
             # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
             self._round.anchor_parameters(self._round.parts[fragment])
         if self.membership is not None:
-            self._round.scale = self._welcome_scale(fragment)
+            self._round.scale = self._member_scale(fragment)
         # Paced sites differ in steps, not rounds; so may a site that joined in a run's last period (it enters the
         # members' next round, which may be their final sync).
         count = self.rounds if self.pace is not None or self.membership is not None else self.steps
@@ -901,6 +966,9 @@ class Averager:
         epoch = self.membership.at_boundary(self.rounds)
         if epoch is not None:
             self._enter(epoch)
+        elif self.pace is not None and (self._pace_due or any(math.isnan(s) for s in self.pace.step_s)):
+            # an epoch's first boundary, or a site that joined has not timed its steps yet: agree again
+            self._repace(*self._across_sites(lambda: self._gather_pace(False)), False)
         self.membership_wait_s += time.perf_counter() - start
 
     def _recover(self) -> None:
@@ -935,6 +1003,7 @@ class Averager:
         failure: RuntimeError | None = None
         data, behind = None, False
         ranks_behind: list[int] = []
+        pace_inputs: tuple[list[float], int] | None = None
         with self._round.storage.synced():
             try:
                 try:
@@ -943,9 +1012,13 @@ class Averager:
                     if membership.token in epoch.joined:  # this new site built another Averager: it stops here
                         raise
                     raise PeerError(f"Averager: a site new in epoch {epoch.number} differs: {error}") from error
-                progress = [self.steps, -1 if self.finished_at is None else self.finished_at]
-                source, ranks_behind = catch_up(progress, self._device, epoch.group)
+                if self.pace is not None:  # paced sites differ in steps, not rounds; and a pace is ahead of none
+                    progress = [1, self.rounds, 0]
+                else:
+                    progress = [0, self.steps, -1 if self.finished_at is None else self.finished_at]
+                source, ranks_behind, newest = catch_up(progress, self._device, epoch.group)
                 behind = epoch.rank in ranks_behind
+                pace_inputs = self._gather_pace(behind) if newest[0] else None  # the members agreed a pace
                 self.state_traffic = Traffic()
                 if source is None and self.steps == 0:
                     self.start_traffic += self._start_members()
@@ -963,21 +1036,27 @@ class Averager:
             traffic = self.traffic
             self.load_state_dict(torch.load(io.BytesIO(data), map_location=self._device, weights_only=False))
             self.traffic = traffic  # what this process sent; the state's counters are the sender's
-            if self.local:  # the members trained on while the state crossed: enter the round they are headed for
-                self.steps = self.schedule.next_round(self.steps) - 1
+            if self.local and pace_inputs is None:  # the members trained on while the state crossed: enter the round
+                self.steps = self.schedule.next_round(self.steps) - 1  # they are headed for
+        if pace_inputs is not None:
+            self._repace(*pace_inputs, behind)
+            self._pace_due = True  # with fresher times (and where a change came between rounds, its steps)
         # In the first round of each fragment in this epoch, what the members behind send weighs nothing: their
         # parameters are the state they received (the global model; before one, their own), not local progress.
         self._welcome = (frozenset(ranks_behind), set(range(self.fragments)) if ranks_behind else set())
 
-    def _welcome_scale(self, fragment: int) -> float:
-        """What this rank's payload of ``fragment``'s round is multiplied by: in the fragment's first round of the
-        epoch, 0 for a member behind (see :meth:`_enter_epoch`) and the group over the others for the rest; else 1."""
+    def _member_scale(self, fragment: int) -> float:
+        """What this rank's payload of ``fragment``'s round is multiplied by (the round divides the sum by the group's
+        size): each member's share of the steps behind the round, its local steps per round with ``pace="speed"``
+        and 1 otherwise; but in the fragment's first round of the epoch, a member behind (see :meth:`_enter_epoch`)
+        has none, and the others share its part."""
+        world, mine = group_size(self.process_group), group_rank(self.process_group)
+        shares = list(self.pace.periods) if self.pace is not None else [1] * world
         behind, waiting = self._welcome
-        if fragment not in waiting:
-            return 1.0
-        waiting.discard(fragment)
-        world = group_size(self.process_group)
-        return 0.0 if group_rank(self.process_group) in behind else world / (world - len(behind))
+        if fragment in waiting:
+            waiting.discard(fragment)
+            shares = [0 if rank in behind else share for rank, share in enumerate(shares)]
+        return shares[mine] * world / sum(shares)
 
     def _start_members(self) -> Traffic:
         """Every member at step 0: start from the first member's values where they differ (sites built from one

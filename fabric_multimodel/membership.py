@@ -488,19 +488,21 @@ class Membership:
         self.close()
 
 
-def catch_up(progress: Sequence[int], device: torch.device, group: dist.ProcessGroup) -> tuple[int | None, list[int]]:
-    """Which member of ``group`` holds the newest state, and which are behind it, from each member's ``progress``
-    (ints of the same length on every member, compared in order: the step, then the step of the last round).
-    ``(None, [])`` when every member is where the others are. One all-gather.
+def catch_up(
+    progress: Sequence[int], device: torch.device, group: dist.ProcessGroup
+) -> tuple[int | None, list[int], list[int]]:
+    """Which member of ``group`` holds the newest state, which are behind it, and the newest ``progress``, from each
+    member's (ints of the same length on every member, compared in order: the step, then the step of the last
+    round). ``(None, [], progress)`` when every member is where the others are. One all-gather.
 
     Example::
 
-        source, behind = catch_up([averager.steps, averager.finished_at or -1], fabric.device, epoch.group)
+        source, behind, _ = catch_up([averager.steps, averager.finished_at or -1], fabric.device, epoch.group)
     """
     mine = torch.tensor(list(progress), dtype=torch.int64, device=device)
     everyone = torch.zeros(group.size() * mine.numel(), dtype=torch.int64, device=device)
     all_gather_single(everyone, mine, group=group)
-    rows = [tuple(row) for row in everyone.view(group.size(), -1).tolist()]
+    rows = [list(row) for row in everyone.view(group.size(), -1).tolist()]
     newest = max(rows)
     behind = [rank for rank, row in enumerate(rows) if row != newest]
-    return (rows.index(newest) if behind else None), behind
+    return (rows.index(newest) if behind else None), behind, newest

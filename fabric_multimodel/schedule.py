@@ -16,6 +16,8 @@ collectives in step without talking about it.
   phase ``d // 2`` steps after the launch, when ``d >= 2``.
 - Two-level averaging: a round inside the node every ``node_period`` local steps, except where a
   round across the world falls.
+- With ``ends_warmup=False`` the schedule begins in the local phase: ``warmup_steps`` only places
+  the rounds (a pace agreed again mid-run starts a new schedule there), and no step ends a warm-up.
 
 Example::
 
@@ -65,12 +67,14 @@ class Schedule:
         overlap_steps: int = 0,
         node_period: int | None = None,
         phases: int = 1,
+        ends_warmup: bool = True,
     ) -> None:
         assert period >= 1 and warmup_steps >= 0 and fragments >= 1 and period % fragments == 0
         assert 0 <= overlap_steps < period // fragments and phases in (1, 2)
         assert node_period is None or (period % node_period == 0 and fragments == 1 and not overlap_steps)
         self.period, self.warmup_steps, self.fragments = period, warmup_steps, fragments
         self.overlap_steps, self.node_period, self.phases = overlap_steps, node_period, phases
+        self.ends_warmup = ends_warmup
         #: Local steps between the rounds of two consecutive fragments.
         self.spacing = period // fragments
 
@@ -115,7 +119,7 @@ class Schedule:
         if local < 0:
             return ()
         if local == 0:
-            return (Event("local"),) if steps > 0 else ()
+            return (Event("local"),) if steps > 0 and self.ends_warmup else ()
         events = []
         delay = self.overlap_steps
         if delay:

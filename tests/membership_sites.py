@@ -72,9 +72,10 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     before that step; ``receive_delay_s``: a site that joins receives the state that much later; ``poison``: its
     parameters are multiplied by 100 once it joined. Reports, under the site's name (``name/i`` from its process
     i > 0), the epochs it saw, its final parameters' fingerprint (FSDP2: its shard's) and its optimizer state's,
-    its steps, its period (None: "auto" chose none), its last and highest loss, its membership wait, what
-    ``on_transfer`` said and, per epoch entered, the collectives of its start, their seconds and the state bytes it
-    received or sent."""
+    its steps, its period (None: "auto" chose none), the sites' periods with pace="speed", its rounds, its last and
+    highest loss, its membership wait, what ``on_transfer`` said and, per epoch entered, the collectives of its
+    start, their seconds and the state bytes it received or sent. With pace="speed" the loop ends at
+    ``local_steps``."""
     from fabric_multimodel import Averager
     from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
     from fabric_multimodel.optimizer_state import optimizer_state
@@ -155,7 +156,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
             with torch.no_grad():
                 for parameter in model.parameters():
                     parameter.mul_(100.0)
-        while averager.steps < plan["steps"]:
+        while averager.steps < averager.local_steps(plan["steps"]):  # pace="speed": a slower site makes fewer
             if not epochs or membership.epoch.number != epochs[-1][0]:
                 epochs.append((membership.epoch.number, membership.epoch.sites))
             x = torch.randn(32, 8, generator=generator)
@@ -174,6 +175,8 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         "optimizer": tensors_fingerprint(optimizer_state([opt])),
         "steps": averager.steps,
         "period": averager.period if averager.config.period != "auto" or averager.period_choice else None,
+        "pace": averager.pace.periods if averager.pace is not None else None,
+        "rounds": averager.rounds,
         "wait_s": averager.membership_wait_s,
         "loss": float(loss.detach()),
         "worst": worst,  # the highest loss of its steps

@@ -184,6 +184,38 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     assert [e for e, _ in finished["d"]["epochs"]] == [epochs[-1][0]]
 
 
+def test_paced_sites_agree_their_pace_again_when_a_site_leaves_and_when_one_joins(coordinator: str) -> None:
+    """pace="speed": c (and later d) steps three times slower than a and b, so runs a third of their steps per
+    round. a is lost, d joins: each epoch agrees the pace again among its members, d running the fastest site's
+    steps until it timed its own; every site ends at the same round with the same model and momentum."""
+    fast_s, slow_s, total = 0.01, 0.03, 300
+    options = _diloco(period=12, warmup_steps=8, pace="speed")
+    run = f"paced{next(_runs)}"
+    common = {"run": run, "steps": total, "options": options, "momentum": 0.9}
+    step_s = {"a": fast_s, "b": fast_s, "c": slow_s}
+    plans = {
+        name: {**common, "min_sites": 3, "step_s": s, "die_at": 60 if name == "a" else None}
+        for name, s in step_s.items()
+    }
+    joiner = ("d", {**common, "step_s": slow_s})
+    reports = _run_sites(averaging_site, coordinator, plans, joiner, "a")
+
+    finished = {name: report for name, (report, _) in reports.items() if name != "a"}
+    assert len({r["params"] for r in finished.values()}) == 1, "the sites left the block with different models"
+    assert len({r["optimizer"] for r in finished.values()}) == 1, "the sites' momentum differs after the last round"
+    assert len({r["rounds"] for r in finished.values()}) == 1, {n: r["rounds"] for n, r in finished.items()}
+    b, c, d = finished["b"], finished["c"], finished["d"]
+    assert [s for _, s in b["epochs"]][-1] == ("b", "c", "d")
+    assert b["pace"] == c["pace"] == d["pace"]
+    # b steps fastest; d timed its steps, about three times b's (the ratio moves on loaded cores), and runs fewer
+    fastest, *slow = b["pace"]
+    assert fastest == 12 and all(period < 12 for period in slow), b["pace"]
+    assert c["steps"] < b["steps"] and d["steps"] <= b["steps"], (b["steps"], c["steps"], d["steps"])
+    for name, r in finished.items():
+        assert r["worst"] < 100, f"{name}'s loss reached {r['worst']:.0f}"
+        assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
+
+
 @pytest.mark.parametrize("inside", ["ddp", "fsdp2"])
 def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: str, inside: str) -> None:
     """Sites of two processes (islands: DDP inside each, each process sending half of a streaming fp8 round with
@@ -244,7 +276,7 @@ def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registe
     membership = Membership(coordinator, "a", run=run, timeout=5.0)
     model = torch.nn.Linear(2, 2)
     for options, named in (
-        ({"period": 4, "pace": "speed", "warmup_steps": 4}, "pace='speed'"),
+        ({"period": 4, "node_period": 2}, "node_group"),
         ({"period": 4, "process_group": object()}, "process_group"),
     ):
         with pytest.raises(ValueError, match=f"`membership` does not take {named}"):

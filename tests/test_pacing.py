@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, AveragerConfig, replicas_in_sync, setup_models
-from fabric_multimodel.pacing import gather_step_times, paced, paced_steps
+from fabric_multimodel.pacing import gather_step_times, last_round, paced, paced_steps, rounds_origin
 from fabric_multimodel.schedule import Schedule
 from tests.gan import collectives
 
@@ -51,6 +51,41 @@ def test_paced_steps_take_part_in_the_same_rounds_as_the_fastest_site(fastest, d
     steps = paced_steps(total, warmup, period, fastest)
     assert steps <= total
     assert rounds_of(steps, warmup, period) == rounds_of(total, warmup, fastest)
+
+
+@given(fastest=st.integers(2, 24), data=st.data(), warmup=st.integers(2, 8), total=st.integers(30, 300))
+def test_a_pace_agreed_again_keeps_every_site_in_the_same_rounds(fastest, data, warmup, total):
+    """Under a membership the sites agree their pace again at some rounds, and a site may join after one (entering
+    the next round as the fastest would, at its next step, with the fastest's steps per round): every site still
+    takes part in the same rounds to the end of the run, and the fastest makes the run's steps."""
+    sites = data.draw(st.integers(2, 3))  # the last one joins after round `joins`
+
+    def periods() -> list[int]:  # site 0 stays the fastest
+        return [fastest] + [data.draw(st.integers(1, fastest)) for _ in range(sites - 1)]
+
+    changes = {r: periods() for r in data.draw(st.sets(st.integers(1, 12), max_size=3))}
+    joins = data.draw(st.integers(1, max(1, (total - warmup) // fastest - 1)))
+    start = periods()
+    rounds_made = []
+    for site in range(sites):
+        period, since, rounds, steps = start[site], (warmup, warmup), 0, 0
+        schedule = Schedule(period, warmup)
+        if site == sites - 1:  # it enters after round `joins`, a step before the fastest site's next round
+            period, rounds, steps = fastest, joins, warmup + (joins + 1) * fastest - 1
+            since = (steps + 1, steps + 1)
+            schedule = Schedule(period, rounds_origin(since[0], steps, period), ends_warmup=False)
+        while steps < paced_steps(total, warmup, period, fastest, since=since):
+            steps += 1
+            if any(e.kind == "round" for e in schedule.at(steps)):
+                rounds += 1
+                if rounds in changes:
+                    since, period = last_round(since, period, fastest, steps), changes[rounds][site]
+                    assert since[0] == steps
+                    schedule = Schedule(period, rounds_origin(since[0], steps, period), ends_warmup=False)
+        rounds_made.append(rounds)
+        if site == 0:
+            assert steps == total
+    assert len(set(rounds_made)) == 1, rounds_made
 
 
 @pytest.mark.parametrize(

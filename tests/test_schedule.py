@@ -22,6 +22,7 @@ def schedules(draw) -> Schedule:
         overlap_steps=overlap,
         node_period=node_period,
         phases=draw(st.sampled_from([1, 2])),
+        ends_warmup=draw(st.booleans()),  # False: a schedule begun in the local phase (a pace agreed again)
     )
 
 
@@ -71,7 +72,8 @@ def test_an_overlapped_round_is_merged_after_its_delay_one_in_flight_at_a_time(s
 def test_warmup_is_silent_and_ends_once(schedule, extra):
     events = timeline(schedule, schedule.warmup_steps + extra)
     warmup = [(s, e) for s, e in events if s <= schedule.warmup_steps]
-    assert warmup == ([(schedule.warmup_steps, Event("local"))] if schedule.warmup_steps else [])
+    ends = schedule.warmup_steps and schedule.ends_warmup
+    assert warmup == ([(schedule.warmup_steps, Event("local"))] if ends else [])
     assert all(e.kind != "local" for s, e in events if s > schedule.warmup_steps)
 
 
