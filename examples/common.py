@@ -291,13 +291,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         # Streaming rounds merge best by mixing half the local replica back in: 2.2-2.3% lower validation loss
         # than global + local progress on the LM, on both of two seeds (benchmarks/README.md).
         args.mixing = 0.5
-    if args.coordinator and (
-        not args.period or args.pace != "steps" or args.period == "auto" or args.node_period or args.error_feedback
-    ):
-        p.error(
-            "--coordinator needs --period N, and takes no --pace speed, --period auto, --node-period or"
-            " --error-feedback yet"
-        )
+    if args.coordinator and not args.period:
+        p.error("--coordinator needs --period (N or auto): the sites average in rounds")
     if args.coordinator and (args.node_period or (args.layout != "flat" and args.shard != "node")):
         p.error(
             "--coordinator: each site's processes are a world of their own, with DDP (or --shard node: FSDP2) inside"
@@ -469,20 +464,24 @@ def data_rank(fabric: Fabric, args: argparse.Namespace) -> int:
     return zlib.crc32(args.site.encode()) + fabric.global_rank if args.coordinator else fabric.global_rank
 
 
-def report_membership(fabric: Fabric, averager: Averager | None, seen: int) -> int:
+def report_membership(fabric: Fabric, averager: Averager | None, seen: tuple[int, Any]) -> tuple[int, Any]:
     """Print ``membership: epoch=E sites=... left=... joined=... waited_s=... state_bytes=... time=...`` (the state
-    received or sent on entering, the unix time) when this site entered an epoch after the one numbered ``seen``;
-    returns the number of the epoch it is in (0 without a membership)."""
+    received or sent on entering, the unix time) when this site entered an epoch after the one in ``seen``, and
+    the pace when the members agreed it again; returns what it saw, the epoch and the pace (``(0, None)`` to
+    start)."""
     epoch = averager.membership.epoch if averager is not None and averager.membership is not None else None
-    if epoch is None or epoch.number == seen:
+    if epoch is None:
         return seen
     assert averager is not None
-    left, joined = (",".join(map(site_of, tokens)) or "-" for tokens in (epoch.left, epoch.joined))
-    fabric.print(
-        f"membership: epoch={epoch.number} sites={','.join(epoch.sites)} left={left} joined={joined}"
-        f" waited_s={averager.membership_wait_s:.2f} state_bytes={averager.state_traffic.bytes} time={time.time():.2f}"
-    )
-    return epoch.number
+    if epoch.number != seen[0]:
+        left, joined = (",".join(map(site_of, tokens)) or "-" for tokens in (epoch.left, epoch.joined))
+        fabric.print(
+            f"membership: epoch={epoch.number} sites={','.join(epoch.sites)} left={left} joined={joined} waited_s="
+            f"{averager.membership_wait_s:.2f} state_bytes={averager.state_traffic.bytes} time={time.time():.2f}"
+        )
+    if seen[1] is not None and averager.pace != seen[1]:  # the first is printed at the end of warm-up
+        fabric.print(averager.pace)
+    return epoch.number, averager.pace
 
 
 def averaging_line(args: argparse.Namespace, averager: Averager) -> str:

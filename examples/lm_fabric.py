@@ -470,7 +470,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None and state["step"] >= args.warmup_steps:  # resumed past warm-up: the pace is known
         warmup_ended(fabric, averager, args, total, progress)
     step = now = state["step"]  # now: the clock of stops and checkpoints
-    epoch_seen = report_membership(fabric, averager, 0)
+    epoch_seen = report_membership(fabric, averager, (0, None))
     with averager or nullcontext():
         while step < args.steps:
             step += 1
@@ -489,8 +489,8 @@ def train(args: argparse.Namespace) -> int | None:
             if averager is not None:
                 averager.step()
                 epoch_seen = report_membership(fabric, averager, epoch_seen)
-                if averager.membership is not None:  # a survivor that missed a round takes the others' step
-                    step = averager.steps
+                if averager.membership is not None:  # a site behind takes the others' step; a pace, its last one
+                    step, args.steps = averager.steps, averager.local_steps(total)
                 if step == args.warmup_steps:
                     warmup_ended(fabric, averager, args, total, progress)
                 if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:

@@ -298,6 +298,7 @@ def test_single_process_communicates_nothing(tmp_path: Path, example, capsys) ->
         (["--coordinator", "h:1", "--site", "a", "--period", "4", "--layout", "islands", "--devices", "2"], "--layout"),
         (["--coordinator", "h:1", "--site", "a", "--period", "4", "--node-period", "2", "--devices", "2"], "--node"),
         (["--coordinator", "h:1", "--site", "a#b", "--period", "4"], "--site NAME"),
+        (["--coordinator", "h:1", "--site", "a"], "--coordinator needs --period"),
     ],
 )
 def test_bad_flags_exit_with_one_line(flags: list[str], mentions: str, tmp_path: Path, example, capsys) -> None:
