@@ -108,17 +108,18 @@ def check_node_group(node_period: int | None, node_group: ProcessGroup) -> None:
 
 
 def check_membership(config: AveragerConfig, process_group: ProcessGroup, node_group: ProcessGroup) -> None:
-    """What a :class:`~fabric_multimodel.membership.Membership` cannot take yet, refused before it registers."""
-    refused = {
-        "process_group": process_group is not None,
-        "node_group (two-level averaging)": node_group is not None or config.node_period is not None,
-    }
-    for option, given in refused.items():
-        if given:
-            raise ValueError(
-                f"Averager: `membership` does not take {option} yet (each round runs on the group of the site's"
-                " epoch, which the membership makes); leave it out, or leave out `membership`."
-            )
+    """What a :class:`~fabric_multimodel.membership.Membership` does not take, refused before it registers."""
+    if process_group is not None:
+        raise ValueError(
+            "Averager: `membership` does not take a `process_group`: each round runs on the group of the site's"
+            " epoch, which the membership makes; leave `process_group` out, or leave out `membership`."
+        )
+    if node_group is not None or config.node_period is not None:
+        raise ValueError(
+            "Averager: `membership` does not take `node_group` or `node_period` (two-level averaging) yet: a site of"
+            " several processes keeps them in step with DDP or FSDP2 inside it; leave them out, or leave out"
+            " `membership`."
+        )
 
 
 def islands_layout(ddps: Sequence[DistributedDataParallel], group: ProcessGroup, node_period: int | None) -> bool:

@@ -276,8 +276,8 @@ def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registe
     membership = Membership(coordinator, "a", run=run, timeout=5.0)
     model = torch.nn.Linear(2, 2)
     for options, named in (
-        ({"period": 4, "node_period": 2}, "node_group"),
-        ({"period": 4, "process_group": object()}, "process_group"),
+        ({"period": 4, "node_period": 2}, "`node_group` or `node_period`"),
+        ({"period": 4, "process_group": object()}, "a `process_group`"),
     ):
         with pytest.raises(ValueError, match=f"`membership` does not take {named}"):
             Averager(torch.device("cpu"), model, membership=membership, **options)
