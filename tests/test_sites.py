@@ -48,6 +48,7 @@ from fabric_multimodel.sites import (
     tbf_settings,
 )
 from fabric_multimodel.sites.cpu import CPU_CONTROLLER
+from fabric_multimodel.sites.network import CONGESTION_CONTROL
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = str(ROOT / "tests" / "sites_task.py")
@@ -172,6 +173,9 @@ def test_link_is_limited_each_way_and_traffic_inside_a_site_is_not():
         inside = transfer_seconds(sites.namespaces[0], sites.addresses[0], 64 * MIB)
         assert sent_bytes(sites) - before < 64 * 1024
         run_id = sites.run_id
+        for namespace in sites.namespaces:  # not the host's (bbr ran two-way exchanges at 1.23-1.28x the rate)
+            command = ["ip", "netns", "exec", namespace, "sysctl", "-n", "net.ipv4.tcp_congestion_control"]
+            assert subprocess.run(command, capture_output=True, text=True).stdout.strip() == CONGESTION_CONTROL
     assert 9.0 < up < 10.0 and 9.0 < down < 10.0, (up, down)
     assert inside < 1.0, inside
     assert leftovers(run_id) == []
