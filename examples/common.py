@@ -28,22 +28,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from fabric_multimodel import Averager, Checkpointer, NodeGroups, ddp_of, node_groups
-from fabric_multimodel.checkpoints import (
-    CheckpointError,
-    load_checkpoint,
-    read_checkpoint,
-    replica_path,
-)
-from fabric_multimodel.collectives import extremes
+from fabric_multimodel.checkpoints import CheckpointError, same_settings
 from fabric_multimodel.elastic import Resumed, restart_count
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
 from fabric_multimodel.membership import Membership, site_of
-from fabric_multimodel.sharded_checkpoints import (
-    METADATA,
-    ResumedSharded,
-    load_sharded,
-)
+from fabric_multimodel.sharded_checkpoints import ResumedSharded
 
 
 def launched_by() -> str | None:
@@ -656,63 +646,24 @@ def resume(
     checkpoint's must match it, and the checkpoint must not be beyond ``--steps``. The ``--resume auto`` line
     ends with ``phases``, completed with :func:`resume_latest`'s own.
     """
-    config = state["config"]  # the load replaces it with the checkpoint's
-    averager = state.get("averager")
-    sharded = averager is not None and averager.sharded
+    validate = same_settings(state["config"], spell=_flag)  # the load replaces state["config"] with the checkpoint's
     path = args.out / checkpoint_name(args) if args.resume == AUTO else args.resume
-    if sharded:  # each site resumes from its own folder when complete, else the one given (auto: the newest)
-        own = replica_path(path, averager.replica.index)
-        path = own if args.resume != AUTO and (own / METADATA).is_file() else path
-    elif averager is not None and averager.anchored:  # each replica resumes from its own file, when it has one
-        path = own_replica(path, averager.replica.index, explicit=args.resume != AUTO)
-
-    def same_settings(checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get("config")
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path}: not written by this script (it has no config)")
-        differences = [
-            f"{_flag(k)} {saved[k]!r} (now {config[k]!r})" for k in config if k in saved and saved[k] != config[k]
-        ]
-        if differences:
-            raise CheckpointError(f"{path} was written with {', '.join(differences)}; resume with the same settings")
-
     try:
-        if sharded and args.resume == AUTO:
-            found = checkpointer.resume(
-                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric, "--resume auto")
-            )
-            if found is None:
-                fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
-                return
-            state.update(found.values)
-            if fabric.local_rank == 0:  # each site says where it started: its own folder, or another's anchors
-                where = resumed_from(found, averager.replica.index)
-                print(f"--resume auto: step {found.step} from {where}", flush=True)
-            extra = {}
-        elif sharded:
-            extra = load_sharded_run(fabric, path, state, same_settings)
-        elif args.resume == AUTO:
-            resumed = checkpointer.resume(
-                state, validate=same_settings, progress=functools.partial(transfer_progress, fabric, "--resume auto")
-            )
+        if args.resume != AUTO:
+            extra = checkpointer.load(path, state, validate=validate)
+        else:
+            progress = functools.partial(transfer_progress, fabric, "--resume auto")
+            resumed = checkpointer.resume(state, validate=validate, progress=progress)
             if resumed is None:
                 fabric.print(f"--resume auto: no checkpoint in {args.out} yet; starting at step 0")
                 return
-            restart = f", torchrun restart {restart_count()}" if restart_count() else ""
-            seconds = {**(phases.seconds if phases else {}), **resumed.seconds}
-            # The clock time lets a benchmark tell how long a lost node kept the others from training; each
-            # node's first process prints it, so that a node that rejoined says where its start went.
-            if fabric.local_rank == 0:
-                print(
-                    f"--resume auto: step {resumed.step} from {path} into {fabric.world_size} processes"
-                    f" (unix time {time.time():.1f}{restart}); seconds: "
-                    + " ".join(f"{name}={value:.1f}" for name, value in seconds.items())
-                    + transfer_summary(resumed),
-                    flush=True,
-                )
-            extra = resumed.extra
-        else:
-            extra = load_checkpoint(fabric, path, state, validate=same_settings)
+            if isinstance(resumed, ResumedSharded):
+                state.update(resumed.values)  # a sharded run's plain values come apart
+                extra = {}
+            else:
+                extra = resumed.extra
+            if fabric.local_rank == 0:  # each node (site) says where its start went
+                print(resumed_line(fabric, checkpointer, resumed, phases), flush=True)
     except CheckpointError as error:
         fail(fabric, f"--resume {error}")
     if state["step"] > args.steps:
@@ -728,6 +679,24 @@ def resume(
         )
 
 
+def resumed_line(
+    fabric: Fabric, checkpointer: Checkpointer, resumed: Resumed | ResumedSharded, phases: StartPhases | None
+) -> str:
+    """The ``--resume auto`` line: the step and where it came from; a sharded site its own folder or another's, a
+    node the unix time (a benchmark tells from it how long a lost node kept the others from training), torchrun's
+    restart, where its start went and what it received."""
+    if isinstance(resumed, ResumedSharded):
+        return f"--resume auto: step {resumed.step} from {resumed_from(resumed, checkpointer.replica)}"
+    restart = f", torchrun restart {restart_count()}" if restart_count() else ""
+    seconds = {**(phases.seconds if phases else {}), **resumed.seconds}
+    return (
+        f"--resume auto: step {resumed.step} from {checkpointer.own_path} into {fabric.world_size} processes"
+        f" (unix time {time.time():.1f}{restart}); seconds: "
+        + " ".join(f"{name}={value:.1f}" for name, value in seconds.items())
+        + transfer_summary(resumed)
+    )
+
+
 def resumed_from(found: ResumedSharded, site: int) -> str:
     """Where site ``site``'s sharded resume came from: its own folder, another site's, or another site's state
     received over the link."""
@@ -738,24 +707,6 @@ def resumed_from(found: ResumedSharded, site: int) -> str:
         received = f"{found.bytes / 1e6:.2f} MB in {found.seconds:.1f} s"
         return f"site {found.source} over the link ({received}: it starts from the anchors)"
     return f"{found.folder} (another site's: it starts from the anchors)"
-
-
-def load_sharded_run(
-    fabric: Fabric, path: Path, state: dict[str, Any], validate: Callable[[dict[str, Any]], None]
-) -> dict[str, Any]:
-    """Load a sharded run's folder into ``state`` (its plain values replaced), check its settings with
-    ``validate``, and check that every site resumes at the same step (one small allreduce over the world)."""
-    values = load_sharded(path, state)
-    validate(values)
-    state.update(values)
-    top, bottom = extremes([state["step"]], fabric.device)
-    if top != bottom:
-        other = bottom[0] if top[0] == state["step"] else top[0]
-        raise CheckpointError(
-            f"{path} is at step {state['step']}, another site's folder at step {other}; resume every site from"
-            " one step (give a folder that every site saved at that step)"
-        )
-    return {}
 
 
 def transfer_progress(fabric: Fabric, what: str, done: int, total: int, seconds: float) -> None:
@@ -774,19 +725,6 @@ def transfer_summary(resumed: Resumed) -> str:
         where = f"its own copy at step {resumed.own_step}" if resumed.own_step >= 0 else "no copy: as built"
         text += f"; kept {', '.join(resumed.kept)} ({where})"
     return text
-
-
-def own_replica(path: Path, index: int, *, explicit: bool) -> Path:
-    """This replica's checkpoint beside ``path`` (replica 0's). For an explicit ``--resume``: that file only when
-    it is whole and at the same step as ``path``, else ``path`` itself (the Averager then starts this replica
-    from the anchors)."""
-    own = replica_path(path, index)
-    if not explicit or own == path:
-        return own
-    try:
-        return own if read_checkpoint(own)["step"] == read_checkpoint(path)["step"] else path
-    except (CheckpointError, KeyError):
-        return path
 
 
 def fail(fabric: Fabric, message: str) -> NoReturn:

@@ -14,9 +14,25 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fabric_multimodel.checkpoints import CheckpointWriter, remove_stale_temporaries, replica_path, save_checkpoint
+from fabric_multimodel.checkpoints import (
+    CheckpointError,
+    CheckpointWriter,
+    load_checkpoint,
+    read_checkpoint,
+    remove_stale_temporaries,
+    replica_path,
+    save_checkpoint,
+    validated,
+)
+from fabric_multimodel.collectives import extremes
 from fabric_multimodel.elastic import Resumed, resume_latest
-from fabric_multimodel.sharded_checkpoints import ResumedSharded, resume_latest_sharded, save_sharded
+from fabric_multimodel.sharded_checkpoints import (
+    METADATA,
+    ResumedSharded,
+    load_sharded,
+    resume_latest_sharded,
+    save_sharded,
+)
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -59,6 +75,8 @@ class Checkpointer:
         self.local = averager is not None and averager.anchored
         #: FSDP2 models: each site writes its replica's folder, every process its shards (no round, inside the site).
         self.sharded = averager is not None and averager.sharded
+        #: The replica (with FSDP2: the site) whose copies this process writes and resumes from.
+        self.replica = averager.replica.index if averager is not None else 0
         if self.sharded:
             assert averager is not None
             self.path = replica_path(folder / "checkpoint", averager.replica.index)
@@ -96,8 +114,59 @@ class Checkpointer:
         if self.sharded:
             folder = self.folder / "checkpoint"
             return resume_latest_sharded(self.fabric, folder, state, validate=validate, progress=progress)
-        own = self.writer.path if self.local else self.path  # each replica's own file, with anchored rounds
-        return resume_latest(self.fabric, own, state, validate=validate, progress=progress)
+        return resume_latest(self.fabric, self.own_path, state, validate=validate, progress=progress)
+
+    @property
+    def own_path(self) -> Path:
+        """The file this process writes and resumes from: with anchored rounds, its replica's own."""
+        return self.writer.path if self.local else self.path
+
+    def load(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        *,
+        validate: Callable[[dict[str, Any]], None] | None = None,
+        step_key: str = "step",
+    ) -> dict[str, Any]:
+        """Load the checkpoint the user names at ``path`` (``--resume PATH``: not necessarily the newest) into
+        ``state`` on every rank; returns what it held beyond ``state``. Each replica loads its own copy beside it
+        where that is the same checkpoint: anchored rounds, its file when whole and at ``path``'s step (else
+        ``path``, and the Averager starts this replica from the anchors); FSDP2, its site's folder when
+        complete, and then every site must be at one step (one small allreduce). Problems are one-line
+        :class:`~fabric_multimodel.checkpoints.CheckpointError` s naming the file (``validate`` as in
+        :func:`~fabric_multimodel.checkpoints.load_checkpoint`).
+
+        Example::
+
+            extra = checkpointer.load("runs/x/checkpoint.pt", state, validate=same_settings(config))
+        """
+        path = Path(path)
+        if not self.sharded:
+            return load_checkpoint(self.fabric, self._own_copy(path, step_key), state, validate=validate)
+        own = replica_path(path, self.replica)
+        path = own if (own / METADATA).is_file() else path
+        values = load_sharded(path, state)
+        validated(path, values, validate)
+        state.update(values)
+        top, bottom = extremes([state[step_key]], self.fabric.device)
+        if top != bottom:
+            other = bottom[0] if top[0] == state[step_key] else top[0]
+            raise CheckpointError(
+                f"{path} is at step {state[step_key]}, another site's folder at step {other}; resume every site"
+                " from one step (give a folder that every site saved at that step)"
+            )
+        return {}
+
+    def _own_copy(self, path: Path, step_key: str) -> Path:
+        """Anchored rounds: this replica's file beside ``path`` when whole and at the same step, else ``path``."""
+        own = replica_path(path, self.replica)
+        if not self.local or own == path:
+            return path
+        try:
+            return own if read_checkpoint(own)[step_key] == read_checkpoint(path)[step_key] else path
+        except (CheckpointError, KeyError):
+            return path
 
     def save(self, state: Mapping[str, Any]) -> Path:
         """A checkpoint now (call it on every rank); the path it went to."""

@@ -48,6 +48,45 @@ class CheckpointError(ValueError):
     """
 
 
+def same_settings(
+    settings: Mapping[str, Any], *, key: str = "config", spell: Callable[[str], str] = str
+) -> Callable[[dict[str, Any]], None]:
+    """A ``validate`` for :func:`load_checkpoint`, :meth:`~fabric_multimodel.Checkpointer.resume` and
+    :meth:`~fabric_multimodel.Checkpointer.load`: the run that wrote the checkpoint saved its settings under
+    ``key``, and each setting both runs have must be the same, else a :class:`CheckpointError` naming every
+    difference (``spell`` writes a setting's name, as its command-line flag say). Settings one side lacks are
+    not compared: a run may add a setting with a default.
+
+    Example::
+
+        config = {"lr": args.lr, "period": args.period}
+        state = {"model": model, "optimizer": optimizer, "averager": averager, "step": 0, "config": config}
+        checkpointer.resume(state, validate=same_settings(config, spell=lambda k: "--" + k.replace("_", "-")))
+    """
+
+    def validate(checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(key)
+        if not isinstance(saved, Mapping):
+            raise CheckpointError(f"holds no `{key}`: not written by this script")
+        differences = [
+            f"{spell(k)} {saved[k]!r} (now {value!r})" for k, value in settings.items() if saved.get(k, value) != value
+        ]
+        if differences:
+            raise CheckpointError(f"written with {', '.join(differences)}; resume with the same settings")
+
+    return validate
+
+
+def validated(path: Path, checkpoint: dict[str, Any], validate: Callable[[dict[str, Any]], None] | None) -> None:
+    """``validate(checkpoint)``, its :class:`CheckpointError` naming ``path``."""
+    if validate is None:
+        return
+    try:
+        validate(checkpoint)
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+
+
 def save_checkpoint(fabric: Fabric, path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically; call it on every rank (rank 0 writes).
 
@@ -288,7 +327,8 @@ def load_checkpoint(
     place; plain values in ``state`` are replaced. Returns what the checkpoint holds beyond
     ``state``. Every problem, including a model of other shapes, is a :class:`CheckpointError`
     whose one-line message names the file; the file and the models' shapes are checked before
-    anything is loaded, and so is ``validate(checkpoint)``, which may raise :class:`CheckpointError`
+    anything is loaded, and so is ``validate(checkpoint)``, which may raise :class:`CheckpointError` (raised again
+    naming the file; :func:`same_settings` makes one)
     (a run's settings that must match, say). Call it on every rank (each reads the file; no collective).
 
     Example::
@@ -315,8 +355,7 @@ def load_state(
 
         load_state(path, read_checkpoint(path), {"model": model, "step": 0})
     """
-    if validate is not None:
-        validate(checkpoint)
+    validated(path, checkpoint, validate)
     _check_keys(path, checkpoint, state)
     for key, target in state.items():
         if isinstance(target, nn.Module):

@@ -48,7 +48,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import plain_module
-from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError, replica_path
+from fabric_multimodel.checkpoints import TEMPORARY_INFIX, CheckpointError, replica_path, validated
 from fabric_multimodel.collectives import relay_bytes
 from fabric_multimodel.flat import local_part, placed_like
 
@@ -260,9 +260,8 @@ def resume_latest_sharded(
             if site_rank == 0:
                 shutil.rmtree(received)
         seconds = time.perf_counter() - start
-    if validate is not None:
-        validate(values)
     origin = held if source is None else source
+    validated(folders[origin], values, validate)
     return ResumedSharded(newest, folders[origin], values, origin, sent, seconds)
 
 

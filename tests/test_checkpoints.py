@@ -9,14 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from lightning_fabric import Fabric
 from torch import nn
 
 from fabric_multimodel.checkpoints import (
     CheckpointError,
     load_checkpoint,
+    load_state,
     read_checkpoint,
     remove_stale_temporaries,
+    same_settings,
     save_checkpoint,
 )
 from fabric_multimodel.launch import process_context
@@ -120,3 +124,30 @@ def test_a_save_leaves_no_temporary_and_replaces_the_old_file(tmp_path: Path) ->
         save_checkpoint(fabric, path, {"version": version})
     assert read_checkpoint(path)["version"] == 2
     assert os.listdir(path.parent) == ["ckpt.pt"]
+
+
+@given(
+    saved=st.dictionaries(st.sampled_from(["lr", "period", "comm_dtype", "seed"]), st.integers(0, 3)),
+    now=st.dictionaries(st.sampled_from(["lr", "period", "comm_dtype", "seed"]), st.integers(0, 3)),
+)
+def test_same_settings_names_every_setting_both_runs_have_that_differs(saved, now) -> None:
+    validate = same_settings(now, spell=lambda key: "--" + key.replace("_", "-"))
+    differ = [k for k in now if k in saved and saved[k] != now[k]]  # in the order of this run's settings
+    if not differ:
+        validate({"config": saved})  # settings one side lacks are not compared
+        return
+    with pytest.raises(CheckpointError) as error:
+        validate({"config": saved})
+    message = str(error.value)
+    assert message.endswith("; resume with the same settings") and "\n" not in message
+    assert [k for k in now if f"--{k.replace('_', '-')} {saved.get(k)!r} (now {now[k]!r})" in message] == differ
+
+
+def test_same_settings_refuses_a_checkpoint_with_none_and_load_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="holds no `config`: not written by this script"):
+        same_settings({"lr": 1})({"model": {}})
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"step": 3, "config": {"lr": 2}}, path)
+    with pytest.raises(CheckpointError) as error:
+        load_state(path, read_checkpoint(path), {"step": 0}, validate=same_settings({"lr": 1}))
+    assert str(error.value) == f"{path}: written with lr 2 (now 1); resume with the same settings"

@@ -387,7 +387,7 @@ def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path, exam
 def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path, example, capsys) -> None:
     # A synchronous run's checkpoint has no averager state to resume --period from; 4 processes wrote it.
     line = resume_refused(example, capsys, sync_run.out / "checkpoint.pt", 40, tmp_path)
-    assert line.endswith("was written with --period 0 (now 4); resume with the same settings"), line
+    assert line.endswith("checkpoint.pt: written with --period 0 (now 4); resume with the same settings"), line
 
 
 def damaged(checkpoint: Path, folder: Path) -> dict[str, Path]:
