@@ -82,19 +82,22 @@ def all_gather_messages(
 class Messages:
     """The point-to-point messages of one exchange (``_messages``) as one work handle.
 
-    Gloo's handles of messages say they are complete only once waited for, so a thread waits for them, and
-    ``is_completed()`` asks whether it is done (:func:`wait_all` polls it between looks at whether to abandon).
+    ``steps`` yields the work of each step in turn, posting the next step's messages once asked for it (after the
+    last step's are done). Gloo's handles of messages say they are complete only once waited for, so a thread
+    waits for them, and ``is_completed()`` asks whether it is done (:func:`wait_all` polls it between looks at
+    whether to abandon).
     """
 
-    def __init__(self, work: list[dist.Work]) -> None:
+    def __init__(self, steps: Iterable[list[dist.Work]]) -> None:
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._wait_for, args=(work,), name="fmm-messages", daemon=True)
+        self._thread = threading.Thread(target=self._wait_for, args=(steps,), name="fmm-messages", daemon=True)
         self._thread.start()
 
-    def _wait_for(self, work: list[dist.Work]) -> None:
+    def _wait_for(self, steps: Iterable[list[dist.Work]]) -> None:
         try:
-            for w in work:
-                w.wait()
+            for work in steps:
+                for w in work:
+                    w.wait()
         except BaseException as error:  # a lost peer: raised again by wait() in the caller's thread
             self._error = error
 
@@ -108,27 +111,50 @@ class Messages:
         return True
 
 
+#: Per process group (by id, with the group itself to tell a reused id), its exchange of messages in flight.
+_in_flight: dict[int, tuple[dist.ProcessGroup, Messages]] = {}
+
+
 def _messages(
     piece_for: Callable[[int], torch.Tensor], into: torch.Tensor, pg: dist.ProcessGroup, async_op: bool
 ) -> Messages | None:
     """Row ``r`` of ``into`` <- what rank ``r`` sends this rank; this rank sends ``piece_for(p)`` to each peer
-    ``p`` (ranks of ``pg``). Every receive is posted before any send, peers from the next rank round (every rank
-    sends to a different peer first); waited for unless ``async_op``.
+    ``p`` (ranks of ``pg``). Every receive is posted at once; the sends go in ``world - 1`` steps, to the next rank
+    round, then the one after, each once the step before has been sent and received, so that each link carries one
+    message each way at a time. Waited for unless ``async_op``; an exchange on a group whose last one is still in
+    flight waits for that one first (every rank then posts the messages of both in the same order).
 
-    Why not gloo's own all-to-all and all-gather: across a link of limited rate, the two back to back (a low-bit
-    round) took 1.54x their bytes over the rate (a 232 kB round at 3 Mbit/s: 951 ms, in every run), these messages
-    1.05x (654 ms), as gloo's segmented allreduce; with the sends posted first 1.29x (benchmarks/README.md,
-    link_rate.py).
+    Why: across a link of limited rate, gloo's own all-to-all and all-gather back to back (a low-bit round) took
+    1.54x their bytes over the rate (a 232 kB round at 3 Mbit/s: 951 ms, in every run), these messages 1.05x
+    (654 ms), as gloo's segmented allreduce; with the sends posted first 1.29x. Among 3 sites, sending to both
+    peers at once took 1.26-1.30x (plain TCP, 3 and 10 Mbit/s), one peer at a time 1.00-1.01x
+    (benchmarks/README.md, link_rate.py).
     """
+    earlier = _in_flight.get(id(pg))
+    if earlier is not None and earlier[0] is pg:
+        earlier[1]._thread.join()  # its error, if any, is its caller's
     rank, world = pg.rank(), pg.size()
     into[rank].copy_(piece_for(rank))
-    peers = [(rank + i) % world for i in range(1, world)]
-    work = [pg.recv([into[p]], p, 0) for p in peers] + [pg.send([piece_for(p)], p, 0) for p in peers]
-    if async_op:
-        return Messages(work)
-    for w in work:
-        w.wait()
-    return None
+    receives = [pg.recv([into[(rank - i) % world]], (rank - i) % world, 0) for i in range(1, world)]
+
+    def send(i: int) -> dist.Work:
+        return pg.send([piece_for((rank + i) % world)], (rank + i) % world, 0)
+
+    first = [receives[0], send(1)]  # posted here, in the caller's thread
+
+    def steps() -> Iterator[list[dist.Work]]:
+        yield first
+        for i in range(2, world):
+            yield [receives[i - 1], send(i)]
+
+    if not async_op:
+        for work in steps():
+            for w in work:
+                w.wait()
+        return None
+    handle = Messages(steps())
+    _in_flight[id(pg)] = (pg, handle)
+    return handle
 
 
 def _over_gloo(tensor: torch.Tensor, pg: dist.ProcessGroup) -> bool:
@@ -563,7 +589,7 @@ def post_bytes(payload: bytes, receivers: Sequence[int], device: torch.device, g
     for receiver in receivers:
         post(size, receiver)
         _chunks(buffer, post, receiver, None)
-    return Messages(work)
+    return Messages([work])
 
 
 def _chunks(
