@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
@@ -111,8 +112,9 @@ class Messages:
         return True
 
 
-#: Per process group (by id, with the group itself to tell a reused id), its exchange of messages in flight.
-_in_flight: dict[int, tuple[dist.ProcessGroup, Messages]] = {}
+#: Per process group, its last exchange of messages; weakly, so that a group destroyed is freed then (a gloo group
+#: freed at the interpreter's exit can abort it), not with this module.
+_in_flight: weakref.WeakKeyDictionary[dist.ProcessGroup, Messages] = weakref.WeakKeyDictionary()
 
 
 def _messages(
@@ -130,9 +132,9 @@ def _messages(
     peers at once took 1.26-1.30x (plain TCP, 3 and 10 Mbit/s), one peer at a time 1.00-1.01x
     (benchmarks/README.md, link_rate.py).
     """
-    earlier = _in_flight.get(id(pg))
-    if earlier is not None and earlier[0] is pg:
-        earlier[1]._thread.join()  # its error, if any, is its caller's
+    earlier = _in_flight.get(pg)
+    if earlier is not None:
+        earlier._thread.join()  # its error, if any, is its caller's
     rank, world = pg.rank(), pg.size()
     into[rank].copy_(piece_for(rank))
     receives = [pg.recv([into[(rank - i) % world]], (rank - i) % world, 0) for i in range(1, world)]
@@ -153,7 +155,7 @@ def _messages(
                 w.wait()
         return None
     handle = Messages(steps())
-    _in_flight[id(pg)] = (pg, handle)
+    _in_flight[pg] = handle
     return handle
 
 
