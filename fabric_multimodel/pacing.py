@@ -69,21 +69,25 @@ def paced_steps(
 ) -> int:
     """The steps of a site that runs ``period`` local steps per round in a run of ``total`` steps of the fastest
     site (``fastest_period`` per round): as many scheduled rounds (then every site has the one on leaving the
-    Averager's block), and at most the share of the fastest site's steps after its last round. ``since``: this
-    site's step and the fastest site's at which it began this period (a pace agreed again mid-run, under a
-    membership); by default the end of warm-up.
+    Averager's block), and at most the share of the fastest site's steps after its last round. ``since``: a round
+    position of this period, this site's step and the fastest site's there (a pace agreed again mid-run, under a
+    membership; ahead of this site for one that enters at its next round); by default the end of warm-up.
 
     Example::
 
         paced_steps(100, warmup_steps=4, period=16, fastest_period=32)  # 52: 3 rounds of 16 (the fastest: 3 of 32)
         paced_steps(100, 4, 16, 32, since=(20, 36))  # 52: from step 20 (the fastest's 36), 2 rounds more
+        paced_steps(30, 3, 14, 14, since=(31, 31))  # 30: the run ends before that round (the block's is next)
     """
     if since is None:
         if total <= warmup_steps:
             return total
         since = (warmup_steps, warmup_steps)
     mine, fastest = since
-    return mine + max(total - fastest, 0) * period // fastest_period
+    if total < fastest:  # the run ends before that round: count from the one before it
+        back = -(-(fastest - total) // fastest_period)
+        mine, fastest = mine - back * period, fastest - back * fastest_period
+    return mine + (total - fastest) * period // fastest_period
 
 
 def last_round(since: tuple[int, int], period: int, fastest_period: int, steps: int) -> tuple[int, int]:
