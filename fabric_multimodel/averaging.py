@@ -398,8 +398,12 @@ class Averager:
         pace): what a site entering the members' next round counts from."""
         if self.pace is None:
             return -1
-        since = self._pace_since or (self.warmup_steps, self.warmup_steps)
-        return last_round(since, self.period, self._fastest_period, self.steps)[1]
+        return self._last_round()[1]
+
+    def _last_round(self) -> tuple[int, int]:
+        """Paced: this site's last round position (its step and the fastest site's; see ``last_round``)."""
+        since = self._pace_since or (self.warmup_steps, self.warmup_steps)  # None: the pace began at warm-up's end
+        return last_round(since, self.period, self._fastest_period, self.steps)
 
     def _gather_pace(self, behind: bool) -> tuple[list[float], int]:
         """Every member's step time and the members' last round position (see :meth:`_repace`); two collectives."""
@@ -417,8 +421,7 @@ class Averager:
             self.steps = position + self._fastest_period - 1
             self._set_pace(pace, (self.steps + 1, self.steps + 1))
             return
-        since = self._pace_since or (self.warmup_steps, self.warmup_steps)
-        since = last_round(since, self.period, self._fastest_period, self.steps)
+        since = self._last_round()
         if since[0] == self.steps:
             self._set_pace(pace, since)
         else:

@@ -492,7 +492,7 @@ def catch_up(
     progress: Sequence[int], device: torch.device, group: dist.ProcessGroup
 ) -> tuple[int | None, list[int], list[int]]:
     """Which member of ``group`` holds the newest state, which are behind it, and the newest ``progress``, from each
-    member's (ints of the same length on every member, compared in order: the step, then the step of the last
+    member's (ints of the same length on every member, compared in order: say the step, then the step of the last
     round). ``(None, [], progress)`` when every member is where the others are. One all-gather.
 
     Example::
