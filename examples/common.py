@@ -27,12 +27,13 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from fabric_multimodel import Averager, Checkpointer, NodeGroups, ddp_of, node_groups
+from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, cli, ddp_of, node_groups
 from fabric_multimodel.checkpoints import CheckpointError, same_settings
+from fabric_multimodel.cli import add_averager_arguments, check_averager_arguments
 from fabric_multimodel.elastic import Resumed, restart_count
 from fabric_multimodel.flat import local_part
 from fabric_multimodel.launch import shutdown
-from fabric_multimodel.membership import Membership, site_of
+from fabric_multimodel.membership import Membership, RunEnded, site_of
 from fabric_multimodel.sharded_checkpoints import ResumedSharded
 
 
@@ -87,34 +88,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) -> None:
-    g = p.add_argument_group("averaging (local SGD and DiLoCo)")
-    g.add_argument(
-        "--period",
-        type=_steps_or_auto,
-        default=0,
-        help="0: synchronous DDP; N: average every N steps after warm-up; auto: the smallest period whose rounds hide"
-        " behind compute, chosen at the end of warm-up from the measured step and link",
-    )
-    g.add_argument("--warmup-steps", type=int, default=warmup_steps, help="synchronous steps before local steps")
-    g.add_argument(
-        "--overlap-steps",
-        type=_steps_or_auto,
-        default=0,
-        help="merge each round this many steps after its launch; auto (with --period auto): the steps a round needs,"
-        " measured at the end of warm-up, then the smallest period they allow",
-    )
-    g.add_argument("--outer", choices=["none", "nesterov"], default="none", help="nesterov: DiLoCo's outer step")
-    g.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate")
-    g.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
-    g.add_argument(
-        "--comm-dtype",
-        choices=["float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2"],
-        default="float32",
-        help="what a round sends; the float8/float4 ones block-quantized",
-    )
-    g.add_argument(
-        "--error-feedback", action="store_true", help="low-bit rounds: add back what each rank's quantization dropped"
-    )
+    """The library's averaging flags (``fabric_multimodel.cli``), and the examples' layouts and membership."""
+    g = add_averager_arguments(p, warmup_steps=warmup_steps)
     g.add_argument(
         "--layout",
         choices=["auto", "flat", "islands"],
@@ -130,16 +105,6 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
         help="node: shard the models over each node's processes with FSDP2 (rounds across nodes: needs --period)",
     )
     g.add_argument(
-        "--pace",
-        choices=["steps", "speed"],
-        default="steps",
-        help="speed: the fastest site runs --period local steps per round, a slower one fewer, in proportion to its"
-        " speed measured in warm-up; --steps counts the fastest site's steps, and rounds weight sites by theirs",
-    )
-    g.add_argument(
-        "--fragments", type=int, default=1, help="streaming: each round sends one of F fragments, every period/F steps"
-    )
-    g.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         help="live membership: this process is a site of its own that joins the run through this coordinator"
@@ -150,30 +115,6 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
         "--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name (default: $SITE)"
     )
     g.add_argument("--min-sites", type=int, default=1, help="with --coordinator: sites the run starts with")
-    g.add_argument(
-        "--mixing",
-        type=_mixing,
-        help="overlapped merges: (1 - a) * global + a * local, or 'progress': global + local progress (default:"
-        " 0.5 with --fragments, measured best on two seeds; progress without)",
-    )
-
-
-def _word_or(word: str, number: Callable[[str], Any], what: str) -> Callable[[str], Any]:
-    """An argparse type: ``word`` itself, or a number read by ``number``; else one line naming both."""
-
-    def parse(text: str) -> Any:
-        if text == word:
-            return text
-        try:
-            return number(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} or {word!r}, got {text!r}") from None
-
-    return parse
-
-
-_steps_or_auto = _word_or("auto", int, "a whole number of steps")
-_mixing = _word_or("progress", float, "a number in [0, 1]")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,61 +167,31 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.layout_chosen = True
     if args.shard == "node":
         check_sharding(p, args)
+    check_averager_arguments(p, args)
     minimums = {
-        "steps": 1, "batch_size": 1, "period": 0, "warmup_steps": 0, "overlap_steps": 0,
-        "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1, "node_period": 0, "fragments": 1,
+        "steps": 1, "batch_size": 1, "checkpoint_every": 0, "log_every": 1, "devices": 1, "num_nodes": 1,
+        "node_period": 0,
     }  # fmt: skip
-    auto = args.period == "auto"
-    if auto and (args.warmup_steps < 2 or args.node_period):
-        p.error("--period auto times the warm-up's steps: it needs --warmup-steps 2 or more, and no --node-period")
-    if args.overlap_steps == "auto" and not auto:
-        p.error("--overlap-steps auto is chosen with the period: it needs --period auto (or give a number of steps)")
+    if args.period == "auto" and args.node_period:
+        p.error("--period auto chooses the period across the world: it takes no --node-period")
     for flag, minimum in minimums.items():
         value = getattr(args, flag, None)
-        if value is not None and value != "auto" and value < minimum:
+        if value is not None and value < minimum:
             p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {value}")
-    for flag in ("lr", "outer_lr", "timeout"):
+    for flag in ("lr", "timeout"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
-    if not 0 <= args.outer_momentum < 1:
-        p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
-    if args.period == 0 and (
-        args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32" or args.fragments > 1
-    ):
-        p.error("--overlap-steps, --outer, --comm-dtype and --fragments need --period N (averaging rounds)")
     if args.node_period and args.fragments > 1:
         p.error("--node-period (two-level averaging) cannot be combined with --fragments")
     if args.period == 0 and (args.layout != "flat" or args.node_period):
         p.error("--layout islands and --node-period need --period N (rounds across nodes)")
     if (args.layout != "flat" or args.node_period) and math.prod(world_shape(args)) == 1:
         p.error("--layout islands and --node-period need several processes (--devices N), and this run has one")
-    paced_round = args.fragments == 1 and not args.overlap_steps and args.comm_dtype in ("float32", "bfloat16")
-    if args.pace == "speed" and (not args.period or auto or args.warmup_steps < 2 or not paced_round):
-        p.error(
-            "--pace speed needs --period N (a number), --warmup-steps 2 or more, and no --fragments, --overlap-steps"
-            " or low-bit --comm-dtype yet"
-        )
     if args.node_period and (
         args.layout != "flat" or args.period % args.node_period or args.node_period == args.period
     ):
         p.error("--node-period needs --layout flat and a --period that is a larger multiple of it")
-    if not auto and args.overlap_steps and args.overlap_steps >= args.period:
-        p.error(f"--overlap-steps must be smaller than --period, got {args.overlap_steps} >= {args.period}")
-    if (
-        not auto
-        and args.fragments > 1
-        and (args.period % args.fragments or args.overlap_steps >= args.period // args.fragments)
-    ):
-        p.error("--fragments F needs a --period that F divides and --overlap-steps smaller than --period / F")
-    if args.error_feedback and args.comm_dtype not in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2"):
-        p.error("--error-feedback needs a float8 or float4 --comm-dtype")
-    if args.mixing is not None and not (args.overlap_steps and (args.mixing == "progress" or 0 <= args.mixing <= 1)):
-        p.error(f"--mixing must be in [0, 1] or 'progress' and needs --overlap-steps, got {args.mixing}")
-    if args.mixing is None and args.fragments > 1 and args.overlap_steps:
-        # Streaming rounds merge best by mixing half the local replica back in: 2.2-2.3% lower validation loss
-        # than global + local progress on the LM, on both of two seeds (benchmarks/README.md).
-        args.mixing = 0.5
     if args.coordinator and not args.period:
         p.error("--coordinator needs --period (N or auto): the sites average in rounds")
     if args.coordinator and (args.node_period or (args.layout != "flat" and args.shard != "node")):
@@ -401,36 +312,27 @@ def start_fabric(args: argparse.Namespace, **kwargs: Any) -> Fabric:
 
 
 def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Sequence[Any]) -> dict[str, Any]:
-    """The Averager's keyword arguments for ``--period`` and friends (empty for synchronous DDP).
+    """The Averager's keyword arguments for ``--period`` and friends, in the run's layout (empty for synchronous
+    DDP)."""
+    options = cli.averager_options(args, optimizers)
+    return {**options, **placement.averager} if options else {}
 
-    Plain blocking averaging also averages the optimizers' moments, so a checkpoint written by rank 0
-    loses nothing; DiLoCo keeps them local, as DiLoCo does (its rounds send the parameters only), and
-    overlapped and streaming rounds cannot carry them.
-    """
-    if not args.period:
-        return {}
-    options: dict[str, Any] = {
-        "period": args.period,
-        "warmup_steps": args.warmup_steps,
-        "overlap_steps": args.overlap_steps,
-    }
-    if args.outer == "nesterov":
-        options["outer_optimizer"] = functools.partial(
-            torch.optim.SGD, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True, foreach=True
-        )
-    if args.comm_dtype != "float32":
-        options["comm_dtype"] = getattr(torch, args.comm_dtype)
-    if args.error_feedback:
-        options["error_feedback"] = True
-    if args.fragments > 1:
-        options["fragments"] = args.fragments
-    if args.pace != "steps":
-        options["pace"] = args.pace
-    if args.mixing not in (None, "progress"):
-        options["mixing"] = args.mixing
-    if args.outer == "none" and not args.overlap_steps and args.fragments == 1:
-        options["optimizers"] = list(optimizers)
-    return {**options, **placement.averager}
+
+def start_averager(
+    fabric: Fabric, args: argparse.Namespace, modules: Any, placement: Layout, optimizers: Sequence[Any]
+) -> Averager | None:
+    """The run's Averager (None for synchronous DDP), its line printed; with ``--coordinator``, this site joins the
+    run, and a site started after the run's last round ends here (exit 0: nothing to join)."""
+    options = averager_options(args, placement, optimizers)
+    if not options:
+        return None
+    try:
+        averager = Averager(fabric, modules, **options, **join_options(fabric, args))
+    except RunEnded as error:
+        fabric.print(f"run ended: {error}")
+        raise SystemExit(0) from None
+    fabric.print(averaging_line(args, averager))
+    return averager
 
 
 def join_options(fabric: Fabric, args: argparse.Namespace) -> dict[str, Any]:
@@ -542,26 +444,37 @@ def comm_line(gradients: GradientBytes, averager: Any) -> str:
     return f"comm: ddp_bytes={gradients.bytes} round_bytes={rounds} node_round_bytes={node_rounds}"
 
 
+def summary(
+    args: argparse.Namespace, gradients: GradientBytes, averager: Averager | None, made: str, *more: str
+) -> str:
+    """The run's last lines before ``final:``: the run folder and what it holds (``made``: the example's own
+    files), the bytes sent by kind, and ``more`` (those that are not empty)."""
+    checkpoint = "checkpoint/ (a folder per site)" if args.shard == "node" else "checkpoint.pt"
+    lines = [f"run folder: {args.out} ({checkpoint}, logs/, {made})", comm_line(gradients, averager), *more]
+    return "\n".join(line for line in lines if line)
+
+
+def stopped(fabric: Fabric, loop: Loop) -> int:
+    """After a stop on SIGTERM (every rank at one step, its checkpoint written): close the loop and say how to go
+    on; the exit code (143, as a process ended by SIGTERM)."""
+    loop.close()
+    fabric.print(f"stopped by SIGTERM at step {loop.step}; resume with --resume {loop.saved}")
+    return 143
+
+
 def link_line(averager: Averager, end_seconds: float, end_bytes: int) -> str:
     """``link: start_bytes=... end_round_bytes=... end_round_s=...``: what the averager's start and its last round
     (leaving the block) cost this rank, beyond the rounds of the schedule."""
     return f"link: start_bytes={averager.start_traffic.bytes} end_round_bytes={end_bytes} end_round_s={end_seconds:.2f}"
 
 
-def paced(averager: Averager | None) -> bool:
-    """Whether the sites run at their own pace (``--pace speed``): they end at different steps."""
-    return averager is not None and averager.config.pace == "speed"
-
-
-def warmup_ended(fabric: Fabric, averager: Averager, args: argparse.Namespace, total: int, progress: Progress) -> None:
+def warmup_ended(fabric: Fabric, averager: Averager, loop: Loop, progress: Progress) -> None:
     """Right after the warm-up's last ``step()``: print what ``--period auto`` chose and what ``--pace speed``
-    agreed; with pace, this site's loop ends at its own last step (``args.steps``: a slower site makes fewer
-    of the ``total`` steps)."""
+    agreed; with pace, this site's loop ends at its own last step (a slower site makes fewer steps)."""
     for agreed in (averager.period_choice, averager.pace):
         if agreed is not None:
             fabric.print(agreed)
-    args.steps = averager.local_steps(total)
-    progress.set_total(args.steps)
+    progress.set_total(loop.last)
 
 
 def final_line(
@@ -571,13 +484,17 @@ def final_line(
     wall_s: float,
     iter_seconds: Sequence[float],
     comm_bytes: int,
-    rounds: int,
+    rounds: int = 0,
     state_bytes: int | None = None,
     membership_wait_s: float | None = None,
+    averager: Averager | None = None,
 ) -> str:
     """``final: steps=... <quality> wall_s=... iter_ms_median=... ...``: the run's last line, in the one format
     the benchmarks and tests parse (``fabric_multimodel.launch.parse_final_line``); ``state_bytes`` (see
     :func:`state_bytes`) ends it when given (the Fabric examples give it; the Trainer example does not)."""
+    if averager is not None:  # its rounds, and under a membership what waiting on it cost
+        rounds = averager.rounds
+        membership_wait_s = averager.membership_wait_s if averager.membership is not None else None
     # The median is a typical local step; the mean also carries the averaging rounds' share.
     iter_ms = statistics.median(iter_seconds) * 1000 if iter_seconds else math.nan
     iter_ms_mean = statistics.fmean(iter_seconds) * 1000 if iter_seconds else math.nan
@@ -629,6 +546,17 @@ def run_config(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         "pace",
     )
     return {**{flag: getattr(args, flag) for flag in flags}, **more}
+
+
+def checkpoints(
+    fabric: Fabric, args: argparse.Namespace, state: dict[str, Any], averager: Averager | None, phases: StartPhases
+) -> Checkpointer:
+    """The run's :class:`Checkpointer` in ``--out``, and with ``--resume`` ``state`` loaded from it (see
+    :func:`resume`)."""
+    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
+    if args.resume is not None:
+        resume(fabric, args, state, checkpointer, phases)  # into the objects in `state`; plain values come back there
+    return checkpointer
 
 
 def resume(

@@ -48,23 +48,21 @@ from common import (
     StartPhases,
     add_averaging_arguments,
     add_run_arguments,
-    averager_options,
-    averaging_line,
     check_arguments,
-    comm_line,
+    checkpoints,
     data_rank,
     final_line,
-    join_options,
     layout,
     main,
     mode_name,
-    paced,
     report_membership,
-    resume,
     run_config,
     run_folder,
+    start_averager,
     start_fabric,
     state_bytes,
+    stopped,
+    summary,
     warmup_ended,
 )
 from lightning.fabric import Fabric
@@ -72,7 +70,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Averager, Checkpointer, PreemptionStop, RunEnded, frozen, setup_models
+from fabric_multimodel import Loop, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -161,9 +159,10 @@ def build(fabric: Fabric, args: argparse.Namespace, setup: dict[str, Any]) -> tu
     return gen, disc, opt_g, opt_d, sample_real, z_dim, GradientBytes([gen, disc])
 
 
-def learning_rate(args: argparse.Namespace, step: int) -> float:
-    """Linear decay from --lr to 1% of it at --steps: a high rate trains the ring fast, a low one ends it tight."""
-    return args.lr * (1 - 0.99 * (step - 1) / max(1, args.steps - 1))
+def learning_rate(args: argparse.Namespace, step: int, last: int) -> float:
+    """Linear decay from --lr to 1% of it at the ``last`` step (a paced site's: its own): a high rate trains the
+    ring fast, a low one ends it tight."""
+    return args.lr * (1 - 0.99 * (step - 1) / max(1, last - 1))
 
 
 def set_learning_rate(optimizers: list[Any], lr: float) -> None:
@@ -217,53 +216,36 @@ def train(args: argparse.Namespace) -> int | None:
     sharded = args.shard == "node"  # every process of a site then takes part in its forwards (evaluation too)
     phases.mark("groups")
     gen, disc, opt_g, opt_d, sample_real, z_dim, grad_bytes = build(fabric, args, placement.setup)
-    options = averager_options(args, placement, [opt_g, opt_d])
     phases.mark("models")
-    try:
-        averager = Averager(fabric, [gen, disc], **options, **join_options(fabric, args)) if options else None
-    except RunEnded as error:  # a site started after the run's last round: nothing to join
-        fabric.print(f"run ended: {error}")
-        return 0
+    averager = start_averager(fabric, args, [gen, disc], placement, [opt_g, opt_d])  # None: synchronous DDP
     phases.mark("averager")
-    if averager is not None:
-        fabric.print(averaging_line(args, averager))
     config = run_config(args, dataset=args.dataset, z_dim=z_dim)
-    state: dict[str, Any] = {
-        "gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d, "step": 0, "grad_bytes": 0, "config": config,
+    state: dict[str, Any] = {  # a site that joins a running run starts at the others' step
+        "gen": gen, "disc": disc, "opt_g": opt_g, "opt_d": opt_d, "grad_bytes": 0, "config": config,
+        **({"averager": averager, "step": averager.steps} if averager else {"step": 0}),
     }  # fmt: skip
-    if averager is not None:
-        state["averager"] = averager
-        state["step"] = averager.steps  # a site that joins a running run starts at the others' step
-    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    if args.resume is not None:
-        resume(fabric, args, state, checkpointer, phases)  # into the objects above; plain values come back in `state`
-        grad_bytes.bytes = state["grad_bytes"]
-    stop = PreemptionStop()  # SIGTERM: every rank stops at one step, after a checkpoint
+    checkpointer = checkpoints(fabric, args, state, averager, phases)  # resumed: the values in `state`
+    grad_bytes.bytes = state["grad_bytes"]
 
-    def save(step: int, sync: bool = True) -> Path:
-        if averager is not None and sync and not checkpointer.local:
-            averager.sync()  # every replica (and its Adam moments) equal to what rank 0 writes
-        state.update(step=step, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size)
-        return checkpointer.save(state)
+    def checkpoint() -> dict[str, Any]:  # what a checkpoint holds, at the loop's step
+        return state | dict(step=loop.step, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size)
 
+    loop = Loop(averager, args.steps, checkpointer=checkpointer, state=checkpoint, start=state["step"],
+                checkpoint_every=args.checkpoint_every, checkpoint_rounds=args.checkpoint_rounds)  # fmt: skip
     # Different data on every rank (and after a resume); the same weights everywhere (seeded in build).
     data_gen = torch.Generator().manual_seed(hash((args.seed, data_rank(fabric, args), state["step"])))
     ones = torch.ones(args.batch_size, 1, device=fabric.device)
-    progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero)
+    progress = Progress(loop.last, loop.step, args.log_every, fabric.is_global_zero)
     iter_seconds: list[float] = []
-    checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
     memory = 0  # state_bytes, measured at the last step
     wall = time.perf_counter()
-    total = args.steps  # with --pace speed, the fastest site's steps: a slower site's loop ends sooner
-    if averager is not None and state["step"] >= args.warmup_steps:  # resumed past warm-up: the pace is known
-        warmup_ended(fabric, averager, args, total, progress)
-    step = now = state["step"]  # now: the clock of stops and checkpoints
+    if averager is not None and loop.step >= args.warmup_steps:  # resumed past warm-up: the pace is known
+        warmup_ended(fabric, averager, loop, progress)
     epoch_seen = report_membership(fabric, averager, (0, None))
     with averager or nullcontext():
-        while step < args.steps:
-            step += 1
+        for step in loop:
             tick = time.perf_counter()
-            set_learning_rate([opt_g, opt_d], learning_rate(args, step))
+            set_learning_rate([opt_g, opt_d], learning_rate(args, step, loop.last))
             real = sample_real(args.batch_size, data_gen).to(fabric.device)
             z = torch.randn(args.batch_size, z_dim, generator=data_gen).to(fabric.device)
             fake = gen(z)
@@ -272,57 +254,37 @@ def train(args: argparse.Namespace) -> int | None:
             )
             fabric.backward(d_loss)
             opt_d.step()
-            if step == args.steps:  # the state at its largest: D's gradients, then (below) G's, before zero_grad
+            if step == loop.last:  # the state at its largest: D's gradients, then (below) G's, before zero_grad
                 memory = state_bytes([gen, disc], [opt_g, opt_d], averager)
             opt_d.zero_grad()
             with frozen(disc):  # D is used, not trained: no gradients for it, no allreduce of them
                 g_loss = F.binary_cross_entropy_with_logits(disc(fake), ones)
             fabric.backward(g_loss)
             opt_g.step()
-            if step == args.steps:
+            if step == loop.last:
                 memory = max(memory, state_bytes([gen, disc], [opt_g, opt_d], averager))
             opt_g.zero_grad()
             if averager is not None:
                 averager.step()
                 epoch_seen = report_membership(fabric, averager, epoch_seen)
-                if averager.membership is not None:  # a site behind takes the others' step; a pace, its last one
-                    step, args.steps = averager.steps, averager.local_steps(total)
                 if step == args.warmup_steps:
-                    warmup_ended(fabric, averager, args, total, progress)
-                if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
-                    state.update(step=step, grad_bytes=grad_bytes.bytes)
-                    checkpointer.after_round(state | {"world_size": fabric.world_size})
+                    warmup_ended(fabric, averager, loop, progress)
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
             progress(step, lambda d=d_loss, g=g_loss: {"d_loss": d.item(), "g_loss": g.item()})
-            if step % args.log_every == 0 or step == args.steps:
+            if step % args.log_every == 0 or step == loop.last:
                 metrics = {"d_loss": d_loss.item(), "g_loss": g_loss.item()}
                 if args.dataset == "ring" and (fabric.is_global_zero or sharded):  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
-            before, now = now, averager.clock(step) if averager else step
-            # A paced site's last step can be another's round, after which that one acts: all act alike there.
-            final = step == args.steps and not paced(averager)
-            if not final and stop.requested(now):
-                path = save(step)
-                checkpointer.close()  # the write may be in the background: it must land before the exit
-                fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
-                return 143
-            checkpoint_due |= (  # when the clock passes a multiple of --checkpoint-every
-                bool(args.checkpoint_every) and now // args.checkpoint_every > before // args.checkpoint_every
-            )
-            if checkpoint_due and not final and not (averager is not None and averager.pending):
-                save(step)
-                checkpoint_due = False
+    if loop.stopped:  # SIGTERM: every rank stopped at one step, after a checkpoint
+        return stopped(fabric, loop)
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
-    stop.close()
-    if averager is not None and averager.membership is not None:
-        averager.membership.close(finished=True)  # a site still waiting to be admitted stops waiting
     progress.close()
-    save(args.steps, sync=False)  # leaving the block averaged already
-    round_checkpoints = checkpointer.close()
+    checkpointer.save(checkpoint())  # leaving the block averaged already
+    round_checkpoints = loop.close()
     fabric.logger.finalize("success")
     if fabric.is_global_zero or sharded:
         samples = generate(gen, EVAL_SAMPLES if args.dataset == "ring" else 64, z_dim)
@@ -337,25 +299,9 @@ def train(args: argparse.Namespace) -> int | None:
         result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
     else:
         result = "dataset=digits"
-    checkpoint = "checkpoint/ (a folder per site)" if sharded else "checkpoint.pt"
-    print(f"run folder: {args.out} ({checkpoint}, logs/, {picture.name})", flush=True)
-    print(comm_line(grad_bytes, averager), flush=True)
-    if args.checkpoint_rounds:
-        print(round_checkpoints, flush=True)
-    rounds = averager.rounds if averager is not None else 0
-    print(
-        final_line(
-            args.steps,
-            result,
-            wall_s=wall,
-            iter_seconds=iter_seconds,
-            comm_bytes=comm,
-            rounds=rounds,
-            state_bytes=memory,
-            membership_wait_s=averager.membership_wait_s if averager and averager.membership else None,
-        ),
-        flush=True,
-    )
+    print(summary(args, grad_bytes, averager, picture.name, round_checkpoints if args.checkpoint_rounds else ""))
+    print(final_line(loop.last, result, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm,
+                     state_bytes=memory, averager=averager), flush=True)  # fmt: skip
     return None
 
 

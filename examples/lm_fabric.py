@@ -62,33 +62,33 @@ from common import (
     StartPhases,
     add_averaging_arguments,
     add_run_arguments,
-    averager_options,
-    averaging_line,
     check_arguments,
-    comm_line,
+    checkpoints,
     data_rank,
     fail,
     final_line,
-    join_options,
     layout,
     link_line,
     main,
     mode_name,
-    paced,
     report_membership,
-    resume,
     run_config,
     run_folder,
+    start_averager,
     start_fabric,
     state_bytes,
+    stopped,
+    summary,
     warmup_ended,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
-from fabric_multimodel import Averager, Checkpointer, PreemptionStop, RunEnded, setup_models
+from fabric_multimodel import Loop, setup_models
 
+#: The LM's settings a resumed run must share (beyond the examples' common ones).
+SETTINGS = ("context", "clip", "d_model", "layers", "heads", "positions", "tie_weights", "shard")
 HELD_OUT = 0.05  # share of files (by path hash) kept for validation
 SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 EVAL_BATCH_SIZE = 32  # sequences per validation batch, whatever --batch-size is, so runs compare
@@ -154,6 +154,12 @@ class Corpus(NamedTuple):
     train_files: list[str]
     val_files: list[str]
 
+    def __str__(self) -> str:
+        return (
+            f"{len(self.train):,} training bytes in {len(self.train_files)} files, {len(self.val):,} held out in"
+            f" {len(self.val_files)}"
+        )
+
 
 class CorpusError(ValueError):
     """The text cannot be used (too little of it, or no file to hold out); the message is one line."""
@@ -214,6 +220,14 @@ def load_corpus(paths: Sequence[Path] | None, context: int) -> Corpus:
             )
         texts.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     return Corpus(texts[0], texts[1], [key for _, key in train], [key for _, key in val])
+
+
+def load_text(fabric: Fabric, args: argparse.Namespace) -> Corpus:
+    """The text of ``--data`` (default: the standard library's); a problem is one line and exit code 2."""
+    try:
+        return load_corpus(args.data, args.context)
+    except CorpusError as error:
+        fail(fabric, f"--data: {error}")
 
 
 class Stream:
@@ -345,12 +359,13 @@ def printable(data: bytes) -> str:
     return "".join(chr(b) if 32 <= b < 127 or b in (9, 10) else "?" for b in data)
 
 
-def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up over the first 5% of ``--steps``, then a cosine decay to 10% of ``--lr``."""
-    warmup = max(1, int(LR_WARMUP * args.steps))
+def learning_rate(step: int, args: argparse.Namespace, last: int) -> float:
+    """Linear warm-up over the first 5% of the ``last`` steps (a paced site's: its own), then a cosine decay to 10%
+    of ``--lr``."""
+    warmup = max(1, int(LR_WARMUP * last))
     if step <= warmup:
         return args.lr * step / warmup
-    done = (step - warmup) / max(1, args.steps - warmup)
+    done = (step - warmup) / max(1, last - warmup)
     return args.lr * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
@@ -398,46 +413,24 @@ def train(args: argparse.Namespace) -> int | None:
     phases = StartPhases()
     fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
     phases.mark("fabric")
-    try:
-        corpus = load_corpus(args.data, args.context)
-    except CorpusError as error:
-        fail(fabric, f"--data: {error}")
+    corpus = load_text(fabric, args)
     phases.mark("data")
     placement = layout(fabric, args)
     sharded = args.shard == "node"  # every process of a site then takes part in its forwards (evaluation too)
     phases.mark("groups")
     model, optimizer, grad_bytes = build(fabric, args, placement.setup)
-    options = averager_options(args, placement, [optimizer])
     phases.mark("models")
-    try:
-        averager = Averager(fabric, model, **options, **join_options(fabric, args)) if options else None
-    except RunEnded as error:  # a site started after the run's last round: nothing to join
-        fabric.print(f"run ended: {error}")
-        return 0
+    averager = start_averager(fabric, args, model, placement, [optimizer])  # None: synchronous DDP
     phases.mark("averager")
-    if averager is not None:
-        fabric.print(averaging_line(args, averager))
-    config = run_config(
-        args,
-        data=[str(path) for path in args.data] if args.data else "python-stdlib",
-        **{
-            k: getattr(args, k)
-            for k in ("context", "clip", "d_model", "layers", "heads", "positions", "tie_weights", "shard")
-        },
-    )
-    # history: [step, bytes sent, validation loss] rows for the plot, kept across resumes.
+    data = [str(path) for path in args.data] if args.data else "python-stdlib"
+    config = run_config(args, data=data, **{k: getattr(args, k) for k in SETTINGS})
+    # history: [step, bytes sent, validation loss] rows for the plot; a site that joins starts at the others' step
     state: dict[str, Any] = {
-        "model": model, "optimizer": optimizer, "step": 0, "data_position": 0, "grad_bytes": 0, "history": [],
-        "config": config,
+        "model": model, "optimizer": optimizer, "data_position": 0, "grad_bytes": 0, "history": [], "config": config,
+        **({"averager": averager, "step": averager.steps} if averager else {"step": 0}),
     }  # fmt: skip
-    if averager is not None:
-        state["averager"] = averager
-        state["step"] = averager.steps  # a site that joins a running run starts at the others' step
-    checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    if args.resume is not None:
-        resume(fabric, args, state, checkpointer, phases)  # into the objects above; plain values come back in `state`
-        grad_bytes.bytes = state["grad_bytes"]
-    stop = PreemptionStop()  # SIGTERM: every rank stops at one step, after a checkpoint
+    checkpointer = checkpoints(fabric, args, state, averager, phases)  # resumed: the values in `state`
+    grad_bytes.bytes = state["grad_bytes"]
     # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
     stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args))
     stream.position = state["data_position"]
@@ -446,131 +439,92 @@ def train(args: argparse.Namespace) -> int | None:
     def sent() -> int:
         return grad_bytes.bytes + (averager.traffic.bytes if averager is not None else 0)
 
-    def save(step: int, sync: bool = True) -> Path:
-        if averager is not None and sync and not checkpointer.local:
-            averager.sync()  # every replica (and its AdamW moments) equal to what rank 0 writes
-        state.update(
-            step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes, world_size=fabric.world_size
-        )
-        return checkpointer.save(state)
+    def checkpoint() -> dict[str, Any]:  # what a checkpoint holds, at the loop's step
+        return state | dict(step=loop.step, data_position=stream.position, grad_bytes=grad_bytes.bytes,
+                            world_size=fabric.world_size)  # fmt: skip
 
-    fabric.print(
-        f"model: {sum(p.numel() for p in model.parameters()):,} parameters; text: {len(corpus.train):,} training"
-        f" bytes in {len(corpus.train_files)} files, {len(corpus.val):,} held out in {len(corpus.val_files)}"
-    )
-    tokens_per_step = args.batch_size * args.context * fabric.world_size
-    progress = Progress(args.steps, state["step"], args.log_every, fabric.is_global_zero, unit="tok")
+    def log(step: int, loss: torch.Tensor | None, elapsed_s: float) -> float:  # elapsed_s: time-to-target curves
+        metrics = {"lr": learning_rate(step, args, loop.last), "comm_bytes": sent(), "elapsed_s": elapsed_s}
+        metrics |= {"train_loss": loss.item()} if loss is not None else {}
+        if fabric.is_global_zero or sharded:  # rank 0's replica: no collective, the other ranks go on
+            metrics["val_loss"] = evaluate(model, eval_batches)
+        if fabric.is_global_zero:
+            state["history"].append([step, sent(), metrics["val_loss"]])
+        fabric.log_dict(metrics, step=step)
+        return metrics.get("val_loss", math.nan)
+
+    loop = Loop(averager, args.steps, checkpointer=checkpointer, state=checkpoint, start=state["step"],
+                checkpoint_every=args.checkpoint_every, checkpoint_rounds=args.checkpoint_rounds)  # fmt: skip
+    fabric.print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; text: {corpus}")
+    progress = Progress(loop.last, loop.step, args.log_every, fabric.is_global_zero, unit="tok")
     iter_seconds: list[float] = []
     loss: torch.Tensor | None = None  # the last step's, logged at the end
-    checkpoint_due = False  # a periodic checkpoint waits for a round in flight to be merged
     memory = 0  # state_bytes, measured at the last step
     wall = time.perf_counter()
     end = (wall, sent())  # after the last step: what leaving the block costs is measured from here
-    total = args.steps  # with --pace speed, the fastest site's steps: a slower site's loop ends sooner
-    if averager is not None and state["step"] >= args.warmup_steps:  # resumed past warm-up: the pace is known
-        warmup_ended(fabric, averager, args, total, progress)
-    step = now = state["step"]  # now: the clock of stops and checkpoints
+    if averager is not None and loop.step >= args.warmup_steps:  # resumed past warm-up: the pace is known
+        warmup_ended(fabric, averager, loop, progress)
     epoch_seen = report_membership(fabric, averager, (0, None))
     with averager or nullcontext():
-        while step < args.steps:
-            step += 1
+        for step in loop:
             tick = time.perf_counter()
             for group in optimizer.param_groups:
-                group["lr"] = learning_rate(step, args)
+                group["lr"] = learning_rate(step, args, loop.last)
             loss = loss_of(model, stream.next_batch(args.batch_size).to(fabric.device))
             fabric.backward(loss)
             if args.clip:
                 # Local under DDP: the gradients are already reduced, so every rank clips them alike.
                 fabric.clip_gradients(model, optimizer, max_norm=args.clip)
             optimizer.step()
-            if step == args.steps:  # the persistent state at its largest: before zero_grad frees the gradients
+            if step == loop.last:  # the persistent state at its largest: before zero_grad frees the gradients
                 memory = state_bytes([model], [optimizer], averager)
             optimizer.zero_grad()
             if averager is not None:
                 averager.step()
                 epoch_seen = report_membership(fabric, averager, epoch_seen)
-                if averager.membership is not None:  # a site behind takes the others' step; a pace, its last one
-                    step, args.steps = averager.steps, averager.local_steps(total)
                 if step == args.warmup_steps:
-                    warmup_ended(fabric, averager, args, total, progress)
-                if args.checkpoint_rounds and averager.finished_at == step and not averager.pending:
-                    state.update(step=step, data_position=stream.position, grad_bytes=grad_bytes.bytes)
-                    checkpointer.after_round(state | {"world_size": fabric.world_size})
+                    warmup_ended(fabric, averager, loop, progress)
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
 
-            progress(step, lambda loss=loss: {"loss": loss.item()}, scale=tokens_per_step)
-            if step % args.log_every == 0 and step < args.steps:  # the last step is logged after the block
-                metrics = {"train_loss": loss.item(), "lr": learning_rate(step, args), "comm_bytes": sent()}
-                metrics["elapsed_s"] = time.perf_counter() - wall  # wall-clock to this point: time-to-target curves
-                if fabric.is_global_zero or sharded:  # rank 0's replica: no collective, the other ranks go on
-                    metrics["val_loss"] = evaluate(model, eval_batches)
-                if fabric.is_global_zero:
-                    state["history"].append([step, sent(), metrics["val_loss"]])
-                fabric.log_dict(metrics, step=step)
-            before, now = now, averager.clock(step) if averager else step
-            # A paced site's last step can be another's round, after which that one acts: all act alike there.
-            final = step == args.steps and not paced(averager)
-            if not final and stop.requested(now):
-                path = save(step)
-                checkpointer.close()  # the write may be in the background: it must land before the exit
-                fabric.print(f"stopped by SIGTERM at step {step}; resume with --resume {path}")
-                return 143
-            checkpoint_due |= (  # when the clock passes a multiple of --checkpoint-every
-                bool(args.checkpoint_every) and now // args.checkpoint_every > before // args.checkpoint_every
+            progress(
+                step, lambda loss=loss: {"loss": loss.item()}, scale=args.batch_size * args.context * fabric.world_size
             )
-            if checkpoint_due and not final and not (averager is not None and averager.pending):
-                save(step)
-                checkpoint_due = False
+            if step % args.log_every == 0 and step < loop.last:  # the last step is logged after the block
+                log(step, loss, time.perf_counter() - wall)
             end = (time.perf_counter(), sent())
+    if loop.stopped:  # SIGTERM: every rank stopped at one step, after a checkpoint
+        return stopped(fabric, loop)
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
-    stop.close()
-    if averager is not None and averager.membership is not None:
-        averager.membership.close(finished=True)  # a site still waiting to be admitted stops waiting
     end_round = (time.perf_counter() - end[0], sent() - end[1])
     progress.close()
-    if fabric.is_global_zero or sharded:
-        val_loss = evaluate(model, eval_batches)
-    if fabric.is_global_zero:
-        state["history"].append([args.steps, sent(), val_loss])
-        metrics = {"val_loss": val_loss, "lr": learning_rate(args.steps, args), "comm_bytes": sent(), "elapsed_s": wall}
-        fabric.log_dict(metrics | ({"train_loss": loss.item()} if loss is not None else {}), step=args.steps)
-    save(args.steps, sync=False)  # leaving the block averaged already
-    round_checkpoints = checkpointer.close()
+    val_loss = log(loop.last, loss, wall)
+    checkpointer.save(checkpoint())  # leaving the block averaged already
+    round_checkpoints = loop.close()
     fabric.logger.finalize("success")
     sample = printable(generate(model, PROMPT, SAMPLE_BYTES, fabric.device)) if fabric.is_global_zero or sharded else ""
     if not fabric.is_global_zero:
         return None
 
-    plot = args.out / "val_loss.png"
-    save_plot(plot, state["history"])
+    link = link_line(averager, *end_round) if averager is not None else ""
+    quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"
+    lines = summary(
+        args, grad_bytes, averager, "val_loss.png", link, round_checkpoints if args.checkpoint_rounds else ""
+    )
+    final = final_line(loop.last, quality, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=sent(),
+                       state_bytes=memory, averager=averager)  # fmt: skip
+    report(args, state["history"], sample, lines, final)
+    return None
+
+
+def report(args: argparse.Namespace, history: list[list[float]], sample: str, *lines: str) -> None:
+    """Rank 0, at the end: the plot of the validation loss, a sample of generated text, then ``lines``."""
+    save_plot(args.out / "val_loss.png", history)
     print(f"sample (temperature {SAMPLE_TEMPERATURE}, prompt {PROMPT.decode()!r}):")
     print("\n".join(f"  | {line}" for line in sample.split("\n")))  # "| ": no generated line looks like "final:"
-    comm = sent()
-    checkpoint = "checkpoint/ (a folder per site)" if sharded else "checkpoint.pt"
-    print(f"run folder: {args.out} ({checkpoint}, logs/, {plot.name})", flush=True)
-    print(comm_line(grad_bytes, averager), flush=True)
-    if averager is not None:
-        print(link_line(averager, *end_round), flush=True)
-    if args.checkpoint_rounds:
-        print(round_checkpoints, flush=True)
-    quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"
-    rounds = averager.rounds if averager is not None else 0
-    print(
-        final_line(
-            args.steps,
-            quality,
-            wall_s=wall,
-            iter_seconds=iter_seconds,
-            comm_bytes=comm,
-            rounds=rounds,
-            state_bytes=memory,
-            membership_wait_s=averager.membership_wait_s if averager and averager.membership else None,
-        ),  # fmt: skip
-        flush=True,
-    )
-    return None
+    for line in lines:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

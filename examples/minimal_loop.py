@@ -16,7 +16,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from fabric_multimodel import Averager, Checkpointer, Membership, PreemptionStop, setup_models
+from fabric_multimodel import Averager, Checkpointer, Loop, Membership, setup_models
 
 
 def loss_of(model: nn.Module, step: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -46,30 +46,23 @@ def main() -> int:
     state = {"model": model, "optimizer": optimizer, "averager": averager, "step": averager.steps}  # a joiner's too
     if (membership is None and checkpointer.resume(state)) or state["step"]:  # or it joined a run under way
         fabric.print(f"resumed at step {state['step']} from {args.coordinator or args.out}")
-    stop, wall = PreemptionStop(), time.perf_counter()
+    # A checkpoint after each round (it sends nothing), and on SIGTERM every rank stops at one step after one.
+    loop = Loop(averager, args.steps, checkpointer=checkpointer, state=lambda: state | {"step": loop.step},
+                checkpoint_rounds=True)  # fmt: skip
+    wall = time.perf_counter()
     with averager:
-        while state["step"] < args.steps:
-            fabric.backward(loss_of(model, state["step"], fabric.global_rank, fabric.device))
+        for step in loop:
+            fabric.backward(loss_of(model, step, fabric.global_rank, fabric.device))
             optimizer.step()
             optimizer.zero_grad()
             averager.step()
-            state["step"] = averager.steps
-            if averager.finished_at == averager.steps and not averager.pending:  # a round ended: save, send nothing
-                checkpointer.after_round(state)
-            # Stop where no round is in flight, so that the run resumed goes on exactly as it would have.
-            if stop.requested(state["step"]) and not averager.pending and state["step"] < args.steps:
-                checkpointer.save(state)
-                break
-    stop.close()
-    checkpointer.close()  # a write in the background lands before the exit
-    if membership is not None:  # the run's end: a site still waiting to be admitted stops waiting
-        membership.close(finished=state["step"] >= args.steps)
-    if state["step"] < args.steps:
-        fabric.print(f"stopped by SIGTERM at step {state['step']}; the same command resumes it")
+    loop.close()  # the checkpoint written in the background lands; a site waiting to join stops waiting
+    if loop.stopped:
+        fabric.print(f"stopped by SIGTERM at step {loop.step}; the same command resumes it")
         return 143
     val_loss, seconds = loss_of(model, 10**6, 0, fabric.device).item(), time.perf_counter() - wall  # held out
     fabric.print(
-        f"final: steps={state['step']} val_loss={val_loss:.6f} wall_s={seconds:.1f} comm_bytes={averager.traffic.bytes}"
+        f"final: steps={loop.step} val_loss={val_loss:.6f} wall_s={seconds:.1f} comm_bytes={averager.traffic.bytes}"
         f" rounds={averager.rounds}"
     )
     return 0

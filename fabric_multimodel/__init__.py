@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from fabric_multimodel.config import AveragerConfig
     from fabric_multimodel.frozen import frozen
     from fabric_multimodel.groups import NodeGroups, node_groups
+    from fabric_multimodel.loop import Loop
     from fabric_multimodel.membership import Epoch, Membership, RunEnded
     from fabric_multimodel.models import Models, ddp_of, setup_models
     from fabric_multimodel.preemption import PreemptionStop
@@ -40,6 +41,7 @@ _HOMES = {
     "frozen": "frozen",
     "NodeGroups": "groups",
     "node_groups": "groups",
+    "Loop": "loop",
     "Epoch": "membership",
     "Membership": "membership",
     "RunEnded": "membership",
@@ -60,6 +62,7 @@ __all__ = [
     "AveragingError",
     "Checkpointer",
     "Epoch",
+    "Loop",
     "Membership",
     "Models",
     "NodeGroups",
