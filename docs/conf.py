@@ -13,11 +13,13 @@ autodoc_typehints = "description"
 # Every reference must resolve (-n), except into the libraries the API is written against, whose documentation is
 # not built here.
 nitpicky = True
-_outside = r"torch|nn|lightning|lightning_fabric|pytorch_lightning|collections|typing|types|datetime|os|pathlib|numpy|argparse"
+_outside = (
+    r"torch|nn|lightning|lightning_fabric|pytorch_lightning|collections|typing|types|datetime|os|pathlib|numpy|argparse"
+)
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_outside})(\..*)?"),
     # what the signatures are written against, by the names they are imported as
-    (r"py:class", r"Fabric|ProcessGroup|Optimizer|HasDevice|Modules|Path|Tensor|Store|dist\.Work"),
+    (r"py:class", r"Fabric|ProcessGroup|Optimizer|HasDevice|Modules|Path|Tensor|Store|dist\.Work|timedelta|.*\._T"),
 ]
 # A builtin type in a signature (``bytes``) that is also an attribute's name (``Traffic.bytes``) is "more than one
 # target": Sphinx's, not a broken reference.

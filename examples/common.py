@@ -108,8 +108,8 @@ def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) ->
         "--coordinator",
         metavar="HOST:PORT",
         help="live membership: this process is a site of its own that joins the run through this coordinator"
-        " (python -m fabric_multimodel.coordinator); sites may leave and join while the others train on (default:"
-        " none, the processes of this launch are the whole run)",
+        " (python -m fabric_multimodel.coordinator; or etcd://HOST:PORT,HOST:PORT,... for an etcd cluster); sites"
+        " may leave and join while the others train on (default: none, the processes of this launch are the run)",
     )
     g.add_argument(
         "--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name (default: $SITE)"

@@ -8,7 +8,6 @@ things happen :mod:`fabric_multimodel.schedule`'s, what a round does :mod:`fabri
 from __future__ import annotations
 
 import functools
-import io
 import math
 import statistics
 import time
@@ -19,7 +18,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
 from fabric_multimodel.arguments import as_module_list, check_membership, check_optimizers, check_placement
@@ -40,16 +38,14 @@ from fabric_multimodel.collectives import (
     group_rank,
     group_ranks,
     group_size,
-    post_bytes,
-    relay_bytes,
 )
 from fabric_multimodel.config import AveragerConfig
-from fabric_multimodel.membership import Epoch, Membership, catch_up
+from fabric_multimodel.epochs import Epochs
+from fabric_multimodel.membership import Membership
 from fabric_multimodel.models import Models
 from fabric_multimodel.optimizer_state import OptimizerStateStorage
 from fabric_multimodel.pacing import (
     Pace,
-    gather_pace,
     gather_step_times,
     last_round,
     paced,
@@ -234,12 +230,7 @@ class Averager:
         #: With a :class:`~fabric_multimodel.membership.Membership`: the sites of the run come and go, and each round
         #: runs on the group of the epoch this site is in (``process_group`` is that group).
         self.membership = membership
-        #: Seconds this process spent on membership changes after its first epoch: agreements, groups, the state sent
-        #: to a site that joined or received from a member (its own admission is part of its start, not counted).
-        self.membership_wait_s = 0.0
-        #: Bytes of Averager state this process received from a member when it entered an epoch behind the others
-        #: (a site that joined), and sent to such members; per epoch entered, the last one's.
-        self.state_traffic = Traffic()
+        self._epochs = Epochs(self, membership) if membership is not None else None
         epoch = None
         if membership is not None:  # every check before this site registers, so a mistake costs the others nothing
             check_membership(config, process_group, node_group)
@@ -278,7 +269,6 @@ class Averager:
         # without a round, and where this site's pace began (its step at a round, and the fastest site's then)
         self._recent_gaps: deque[float] | None = deque(maxlen=32) if membership and config.pace == "speed" else None
         self._pace_since: tuple[int, int] | None = None
-        self._pace_due = False  # an epoch began: agree the pace again at its first round boundary
         self._site = placement.site
         self._set_period(built.period)
         self._device = fabric.device
@@ -289,15 +279,12 @@ class Averager:
         # The replicas train apart in warm-up (the islands' nodes, a membership's sites): the first round of each
         # part after it is a plain mean that sets its anchor.
         self._apart = self.islands or membership is not None
-        # Membership: the ranks that entered the epoch behind the others, and the fragments still to have their
-        # first round in it (see _enter_epoch).
-        self._welcome: tuple[frozenset[int], set[int]] = (frozenset(), set())
         #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
         self.start_traffic = Traffic()
         # Islands: the node's processes hold one replica between them; the first one writes it.
         self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in placement.ddps)
-        if epoch is not None:
-            self._enter(epoch)
+        if self._epochs is not None and epoch is not None:
+            self._epochs.enter(epoch)
         else:
             self._check_agreement(built.agreement)
             self.start_traffic = self._start_islands()
@@ -344,28 +331,10 @@ class Averager:
         self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
         self._set_period(period)
 
-    def _agreed(self, collectives: Callable[[], _T], what: str) -> _T:
-        """``collectives()``; with a membership, a failure on any process of this site (a member lost) is a
-        :class:`PeerError` on all of them, as a round's is, so that the site moves as one."""
-        if self.membership is None:
-            return collectives()
-        failure: RuntimeError | None = None
-        try:
-            result = collectives()
-        except RuntimeError as error:
-            failure = error
-        if not self.membership.agree(failure is None):
-            raise PeerError(f"{what} failed: {failure or 'on another process of this site'}") from failure
-        return result
-
     def _across_sites(self, collectives: Callable[[], _T]) -> _T:
         """``collectives()`` over ``process_group``; with a membership, over the next epoch's group again when a
         member is lost meanwhile."""
-        while True:
-            try:
-                return self._agreed(collectives, "measuring across the sites")
-            except PeerError:
-                self._recover()
+        return collectives() if self._epochs is None else self._epochs.across_sites(collectives)
 
     def _site_step_times(self) -> list[float]:
         """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
@@ -384,7 +353,7 @@ class Averager:
         """Run this site's local steps per round, and weight its rounds by them: from the end of warm-up, or from
         ``since``, a round position (this site's step and the fastest site's there; see ``last_round``)."""
         mine = group_rank(self.process_group)
-        self.pace, self._pace_since, self._pace_due = pace, since, False
+        self.pace, self._pace_since = pace, since
         # periods[mine] * W / sum(periods): exactly 1.0 when every site runs the same steps
         self._round.scale = pace.periods[mine] * len(pace.periods) / sum(pace.periods)
         period = pace.periods[mine]
@@ -393,39 +362,10 @@ class Averager:
         else:
             self._set_period(period, rounds_origin(since[0], self.steps, period))
 
-    def _pace_position(self) -> int:
-        """Under a membership, where this site's last round position fell in the fastest site's steps (-1 before a
-        pace): what a site entering the members' next round counts from."""
-        if self.pace is None:
-            return -1
-        return self._last_round()[1]
-
     def _last_round(self) -> tuple[int, int]:
         """Paced: this site's last round position (its step and the fastest site's; see ``last_round``)."""
         since = self._pace_since or (self.warmup_steps, self.warmup_steps)  # None: the pace began at warm-up's end
         return last_round(since, self.period, self._fastest_period, self.steps)
-
-    def _gather_pace(self, behind: bool) -> tuple[list[float], int]:
-        """Every member's step time and the members' last round position (see :meth:`_repace`); two collectives."""
-        position = -1 if behind else self._pace_position()
-        return gather_pace(self._own_step_s(), position, self._device, self.process_group, self._site)
-
-    def _repace(self, step_s: list[float], position: int, behind: bool) -> None:
-        """The pace agreed again among the members from their step times: a member runs its new steps per round from
-        its last round (a change between rounds, in a ``sync()``, weighs the rounds by it at once, and the steps
-        change when it is agreed again at the next boundary); a member behind (a site that joined) enters the
-        members' next round as the fastest site would, at its next step, and runs ``period`` steps per round until
-        it timed its steps."""
-        pace = paced(self._fastest_period, step_s)
-        if behind:
-            self.steps = position + self._fastest_period - 1
-            self._set_pace(pace, (self.steps + 1, self.steps + 1))
-            return
-        since = self._last_round()
-        if since[0] == self.steps:
-            self._set_pace(pace, since)
-        else:
-            self.pace = pace
 
     def local_steps(self, total: int) -> int:
         """How many ``step()`` calls this rank makes in a run of ``total`` steps of the fastest site: ``total``
@@ -556,6 +496,29 @@ class Averager:
         return self._launched_at is not None
 
     @property
+    def membership_wait_s(self) -> float:
+        """With a membership: seconds this process spent on membership changes after its first epoch: agreements,
+        groups, the state sent to a site that joined or received from a member (its own admission is part of its
+        start, not counted); 0.0 without one.
+
+        Example::
+
+            print(f"membership_wait_s={averager.membership_wait_s:.2f}")
+        """
+        return self._epochs.wait_s if self._epochs is not None else 0.0
+
+    @property
+    def state_traffic(self) -> Traffic:
+        """With a membership: bytes of Averager state this process received from a member when it entered an epoch
+        behind the others (a site that joined), and sent to such members; per epoch entered, the last one's.
+
+        Example::
+
+            print(f"state_bytes={averager.state_traffic.bytes}")
+        """
+        return self._epochs.state_traffic if self._epochs is not None else Traffic()
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of the tensors this Averager keeps beside the modules' own: anchors, the outer optimizer's
         state, snapshots, send buffers, quantization scratch and error-feedback residuals (with FSDP2 shards,
@@ -634,12 +597,12 @@ class Averager:
                     for event in events:
                         started |= self._actions[event.kind](event)
                 except PeerError:
-                    if self.membership is None:
+                    if self._epochs is None:
                         raise
-                    self._recover()  # the round in flight is dropped: its progress rides in the next one
+                    self._epochs.recover()  # the round in flight is dropped: its progress rides in the next one
                 else:
-                    if self.membership is not None and self.finished_at == self.steps and not self.pending:
-                        self._at_boundary()
+                    if self._epochs is not None and self.finished_at == self.steps and not self.pending:
+                        self._epochs.at_boundary()
         if self.steps <= self.warmup_steps and not self._apart and not self._has_buffers:
             # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
             # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
@@ -663,9 +626,9 @@ class Averager:
                     self._round_everything()
                     return
                 except PeerError:
-                    if self.membership is None:
+                    if self._epochs is None:
                         raise
-                    self._recover()  # and the sync again, among those who are left
+                    self._epochs.recover()  # and the sync again, among those who are left
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -860,8 +823,8 @@ class Averager:
         if warming_up and not self._apart:
             # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
             self._round.anchor_parameters(self._round.parts[fragment])
-        if self.membership is not None:
-            self._round.scale = self._member_scale(fragment)
+        if self._epochs is not None:
+            self._round.scale = self._epochs.scale(fragment)
         # Paced sites differ in steps, not rounds; so may a site that joined in a run's last period (it enters the
         # members' next round, which may be their final sync).
         count = self.rounds if self.pace is not None or self.membership is not None else self.steps
@@ -891,12 +854,11 @@ class Averager:
         """After a blocking round, the optimizers' state averaged over ``process_group``. With a membership, weighed
         like the round's payload, its wait abandoned once a member is lost, and a failure agreed by the site's
         processes and raised as a :class:`PeerError`, as a round's is (the round stays merged)."""
-        membership = self.membership
-        if membership is None:
+        if self._epochs is None:
             return self._optimizer_state.all_reduce_mean_(self.process_group)
-        state, scale = self._optimizer_state, self._round.scale
-        average = functools.partial(state.all_reduce_mean_, self.process_group, scale=scale, abandon=membership.failing)
-        return self._agreed(average, f"{label}: averaging the optimizers' state")
+        state, scale, failing = self._optimizer_state, self._round.scale, self._epochs.membership.failing
+        average = functools.partial(state.all_reduce_mean_, self.process_group, scale=scale, abandon=failing)
+        return self._epochs.agreed(average, f"{label}: averaging the optimizers' state")
 
     def _exchange(self) -> bool:
         """Move the round in flight to its second phase; starts no round."""
@@ -960,136 +922,10 @@ class Averager:
                 f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
             )
 
-    # --- membership ------------------------------------------------------------------------------
-
-    def _at_boundary(self) -> None:
-        """A round finished and none is in flight: admit the sites that are waiting, if any (one store call)."""
-        assert self.membership is not None
-        start = time.perf_counter()
-        epoch = self.membership.at_boundary(self.rounds)
-        if epoch is not None:
-            self._enter(epoch)
-        elif self.pace is not None and (self._pace_due or any(math.isnan(s) for s in self.pace.step_s)):
-            # an epoch's first boundary, or a site that joined has not timed its steps yet: agree again
-            self._repace(*self._across_sites(lambda: self._gather_pace(False)), False)
-        self.membership_wait_s += time.perf_counter() - start
-
-    def _recover(self) -> None:
-        """A round failed on a peer: drop it, agree on the survivors, and go on among them (no step lost)."""
-        assert self.membership is not None
-        start = time.perf_counter()
+    def _abandon_round(self) -> None:
+        """A member was lost: drop the round in flight (its progress rides in the next one)."""
         self._launched_at = None
         self._round.abandon()
-        self._enter(self.membership.recover())
-        self.membership_wait_s += time.perf_counter() - start
-
-    def _enter(self, epoch: Epoch) -> None:
-        """Enter ``epoch``, and the next one while a member is lost as it begins."""
-        assert self.membership is not None
-        while True:
-            try:
-                self._enter_epoch(epoch)
-                return
-            except PeerError:
-                epoch = self.membership.recover()
-
-    def _enter_epoch(self, epoch: Epoch) -> None:
-        """Run the next rounds over ``epoch``'s group: check that its members built the same Averager, and bring
-        those behind (a site that joins, a survivor that missed the last round) to the newest state, received from
-        the first member that holds it, point to point (a site of several processes: by its process 0, then inside
-        the site). A run's start (every member at step 0) sends instead the first member's values where they
-        differ. A site's processes agree that all of them began the epoch before any goes on."""
-        membership = self.membership
-        assert epoch.group is not None and membership is not None
-        self.process_group = epoch.group
-        self._round.regroup(epoch.group, membership.failing, membership.agree if membership.processes > 1 else None)
-        failure: RuntimeError | None = None
-        data, behind = None, False
-        ranks_behind: list[int] = []
-        pace_inputs: tuple[list[float], int] | None = None
-        with self._round.storage.synced():
-            try:
-                try:
-                    self._check_agreement(self._agreement)
-                except ValueError as error:
-                    if membership.token in epoch.joined:  # this new site built another Averager: it stops here
-                        raise
-                    raise PeerError(f"Averager: a site new in epoch {epoch.number} differs: {error}") from error
-                if self.pace is not None:  # paced sites differ in steps, not rounds; and a pace is ahead of none
-                    progress = [1, self.rounds, 0]
-                else:
-                    progress = [0, self.steps, -1 if self.finished_at is None else self.finished_at]
-                source, ranks_behind, newest = catch_up(progress, self._device, epoch.group)
-                behind = epoch.rank in ranks_behind
-                pace_inputs = self._gather_pace(behind) if newest[0] else None  # the members agreed a pace
-                self.state_traffic = Traffic()
-                if source is None and self.steps == 0:
-                    self.start_traffic += self._start_members()
-                elif source is not None and (membership.local_rank == 0 or self.sharded):
-                    data = self._state_bytes(source, ranks_behind, epoch.group)  # FSDP2: each process its shards
-            except RuntimeError as error:  # a member was lost while the epoch began
-                failure = error
-            if not membership.agree(failure is None):
-                reason = failure or "another process of this site lost a peer"
-                raise PeerError(f"Averager: epoch {epoch.number} could not begin: {reason}") from failure
-        if behind:
-            if membership.processes > 1 and not self.sharded:  # the others' copy of the site's replica crosses no link
-                data, _ = relay_bytes([(0, rank) for rank in range(1, membership.processes)], data, self._device)
-            assert data is not None
-            traffic = self.traffic
-            self.load_state_dict(torch.load(io.BytesIO(data), map_location=self._device, weights_only=False))
-            self.traffic = traffic  # what this process sent; the state's counters are the sender's
-            if self.local and pace_inputs is None:  # the members trained on while the state crossed: enter the round
-                self.steps = self.schedule.next_round(self.steps) - 1  # they are headed for
-        if pace_inputs is not None:
-            self._repace(*pace_inputs, behind)
-            self._pace_due = True  # with fresher times (and where a change came between rounds, its steps)
-        # In the first round of each fragment in this epoch, what the members behind send weighs nothing: their
-        # parameters are the state they received (the global model; before one, their own), not local progress.
-        self._welcome = (frozenset(ranks_behind), set(range(self.fragments)) if ranks_behind else set())
-
-    def _member_scale(self, fragment: int) -> float:
-        """What this rank's payload of ``fragment``'s round is multiplied by (the round divides the sum by the group's
-        size): each member's share of the steps behind the round, its local steps per round with ``pace="speed"``
-        and 1 otherwise; but in the fragment's first round of the epoch, a member behind (see :meth:`_enter_epoch`)
-        has none, and the others share its part."""
-        world, mine = group_size(self.process_group), group_rank(self.process_group)
-        shares = list(self.pace.periods) if self.pace is not None else [1] * world
-        behind, waiting = self._welcome
-        if fragment in waiting:
-            waiting.discard(fragment)
-            shares = [0 if rank in behind else share for rank, share in enumerate(shares)]
-        return shares[mine] * world / sum(shares)
-
-    def _start_members(self) -> Traffic:
-        """Every member at step 0: start from the first member's values where they differ (sites built from one
-        seed send a checksum only), and anchor there."""
-        storage = self._round.storage
-        sent = broadcast_differences(storage.buffers, storage.slots, self._device, self.process_group)
-        self._round.anchor_parameters()
-        return sent
-
-    def _state_bytes(self, source: int, behind: list[int], group: dist.ProcessGroup) -> bytes | None:
-        """This Averager's state, saved by rank ``source`` of ``group``, received on the ranks ``behind`` (returned);
-        None elsewhere. The source posts it and trains on while it crosses: the ranks behind take no part in a round
-        before they received it (they enter the members' next one), so it holds no one up unless it takes longer
-        than the steps before that round."""
-        mine = group_rank(group)
-        if mine == source:
-            state = _local_shards(self.state_dict())
-            state.pop("error_feedback", None)  # what this rank's quantizations dropped: the others start from none
-            buffer = io.BytesIO()
-            torch.save(state, buffer)
-            payload = buffer.getvalue()
-            post_bytes(payload, behind, self._device, group)
-            self.state_traffic = Traffic(len(payload), len(payload) * len(behind))
-        elif mine in behind:
-            assert self.membership is not None
-            progress = self.membership.on_transfer
-            data, size = relay_bytes([(source, mine)], None, self._device, progress, group=group)
-            self.state_traffic = Traffic(size, size)
-            return data
-        return None
 
     def _apply_phase(self) -> None:
         for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
@@ -1103,20 +939,6 @@ class Averager:
                 # the first synchronous backward. Doing it here, on every rank at the same step, keeps
                 # that broadcast out of the local phase.
                 ddp._has_rebuilt_buckets = True
-
-
-def _local_shards(state: Any) -> Any:
-    """``state`` with each DTensor (an FSDP2 shard's, placed on its site's mesh) as its local tensor: what another
-    site's process holding the same shard loads (``load_state_dict`` takes either)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
-        return state.to_local()
-    if isinstance(state, dict):
-        return {key: _local_shards(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_local_shards(value) for value in state)
-    return state
 
 
 def _check_intact(intact: bool) -> None:

@@ -2,7 +2,8 @@
 
 Each site is a job of its own (its own ``fabric run`` or torchrun). The sites that train together agree,
 through a store on a coordinator outside every site (``python -m fabric_multimodel.coordinator``, a bare
-``TCPStore``), on the members of each *epoch*, and each epoch has a process group of its own among its
+``TCPStore``; or an etcd cluster, :mod:`fabric_multimodel.etcd_store`, which survives the loss of a member of
+its own), on the members of each *epoch*, and each epoch has a process group of its own among its
 members, made from that store (:func:`~fabric_multimodel.collectives.standalone_group`). An
 :class:`~fabric_multimodel.Averager` given a :class:`Membership` runs each round on the group of the epoch it
 is in, and moves to the next epoch at a round boundary (a site joined) or when a round fails (a site left).
@@ -47,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from fabric_multimodel.collectives import all_gather_single, standalone_group
+from fabric_multimodel.etcd_store import SCHEME, EtcdStore, endpoints_of
 
 #: Seconds between two polls of the store while waiting (admission, check-ins).
 POLL_S = 0.05
@@ -100,6 +102,34 @@ def site_of(token: str) -> str:
     return token.rpartition("#")[0]
 
 
+def check_coordinator(coordinator: str) -> None:
+    """A ValueError naming the address unless it is ``host:port`` or ``etcd://host:port,host:port,...``."""
+    if coordinator.startswith(SCHEME):
+        endpoints_of(coordinator)
+        return
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"got {coordinator!r}")
+
+
+def coordinator_store(coordinator: str, timeout: float) -> dist.Store:
+    """A connection to the store at ``coordinator``: ``host:port`` (a ``TCPStore`` served by
+    ``python -m fabric_multimodel.coordinator``) or ``etcd://host:port,...`` (an
+    :class:`~fabric_multimodel.etcd_store.EtcdStore`); its calls fail after ``timeout`` seconds. Keep it
+    referenced while it is in use: a ``PrefixStore`` over it does not keep an etcd store's Python object alive.
+
+    Example::
+
+        store = coordinator_store("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379", timeout=30.0)
+        run = dist.PrefixStore("run/", store)
+    """
+    check_coordinator(coordinator)
+    if coordinator.startswith(SCHEME):
+        return EtcdStore(endpoints_of(coordinator), timeout=timeout)
+    host, _, port = coordinator.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
 @dataclass(frozen=True)
 class _Decision:
     """What a key of the store says an epoch is: its members, and the registrations it has seen."""
@@ -121,7 +151,8 @@ class Membership:
     the process group of each.
 
     Args:
-        coordinator: ``host:port`` of the store every site reaches (``python -m fabric_multimodel.coordinator``).
+        coordinator: ``host:port`` of the store every site reaches (``python -m fabric_multimodel.coordinator``),
+            or an etcd cluster's members, ``etcd://host:port,host:port,...`` (the coordinator may then lose one).
         site: this site's name (the same when it starts again); ``#`` is not allowed in it.
         device: where the group's collectives run (``fabric.device``): gloo on a CPU, NCCL on a GPU.
         min_sites: the first epoch starts when this many sites registered.
@@ -158,9 +189,12 @@ class Membership:
         max_sites: int = 64,
         on_transfer: Callable[[int, int, float], None] | None = None,
     ) -> None:
-        host, _, port = coordinator.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"Membership: `coordinator` must be 'host:port', got {coordinator!r}.")
+        try:
+            check_coordinator(coordinator)
+        except ValueError as error:
+            raise ValueError(
+                f"Membership: `coordinator` must be 'host:port' or 'etcd://host:port,host:port,...'; {error}."
+            ) from None
         if not site or "#" in site or "," in site or "|" in site:
             raise ValueError(f"Membership: `site` must be a non-empty name without '#', ',' or '|', got {site!r}.")
         for name, value in (("min_sites", min_sites), ("max_sites", max_sites)):
@@ -175,8 +209,8 @@ class Membership:
         self.timeout, self.heartbeat_s = float(timeout), float(heartbeat_s)
         self.device = torch.device(device)
         self.on_transfer = on_transfer
-        self._address = (host, int(port))
-        self._run = run
+        self._coordinator, self._run = coordinator, run
+        self._stores: list[dist.Store] = []  # a Python store (etcd's) lives only while Python holds it
         #: This process's rank in its site, and the site's processes (its own world: 1 when it has none).
         self.local_rank, self.processes = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -195,10 +229,8 @@ class Membership:
         self._beats: threading.Thread | None = None
 
     def _connect(self) -> dist.Store:
-        host, port = self._address
-        store = dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=self.timeout), wait_for_workers=False
-        )
+        store = coordinator_store(self._coordinator, self.timeout)
+        self._stores.append(store)
         return dist.PrefixStore(f"{self._run}/", store)
 
     # --- registration and admission ---------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Shared fixtures: the pool of gloo worlds, and the device of the tests that can run on any device.
+"""Shared fixtures: the pool of gloo worlds, the device of the tests that can run on any device, and an etcd
+cluster.
 
 ``--device cuda`` (default ``cpu``) runs the tests that take the ``device`` fixture with their tensors
 there; every such test is marked ``device``, so ``-m device`` selects them alone::
@@ -8,12 +9,16 @@ there; every such test is marked ``device``, so ``-m device`` selects them alone
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fabric_multimodel.launch import free_port
 from tests.worlds import World
 
 # Distributed examples take ~0.1-2 s each on 2 cores; keep the number small (the suite has 12 minutes) and never
@@ -82,3 +87,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The ``--device`` as torch names the tensors made there (``cuda`` -> ``cuda:0``)."""
     return torch.empty(0, device=request.config.getoption("--device")).device
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """An etcd cluster of three members on this machine (Debian's ``etcd-server``), each started as a user starts
+    one on each of three hosts; the address the sites pass and the members' processes."""
+    if shutil.which("etcd") is None:
+        pytest.fail("the etcd tests need the etcd server: apt-get install etcd-server (what .ci/run does)")
+    folder = tempfile.mkdtemp(prefix="etcd-")
+    clients, peers = [free_port() for _ in range(3)], [free_port() for _ in range(3)]
+    cluster = ",".join(f"m{i}=http://127.0.0.1:{port}" for i, port in enumerate(peers))
+    members = []
+    try:
+        for i, (client, peer) in enumerate(zip(clients, peers)):
+            command = ["etcd", "--name", f"m{i}", "--data-dir", f"{folder}/m{i}", "--initial-cluster", cluster]
+            command += ["--listen-client-urls", f"http://127.0.0.1:{client}", "--listen-peer-urls"]
+            command += [f"http://127.0.0.1:{peer}", "--advertise-client-urls", f"http://127.0.0.1:{client}"]
+            command += ["--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster-state", "new"]
+            command += ["--initial-cluster-token", folder, "--log-level", "error"]
+            members.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        yield "etcd://" + ",".join(f"127.0.0.1:{port}" for port in clients), members
+    finally:
+        for member in members:
+            member.kill()
+            member.wait(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)

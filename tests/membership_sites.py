@@ -94,9 +94,11 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
 
     for kind in ("all_reduce", ALL_GATHER_SINGLE, "broadcast"):
         setattr(dist, kind, counting(kind))
-    enter = Averager._enter_epoch
+    from fabric_multimodel.epochs import Epochs
 
-    def entering(self: Averager, epoch: Any) -> None:
+    enter = Epochs._enter_epoch
+
+    def entering(self: Epochs, epoch: Any) -> None:
         entries.append({"epoch": epoch.number})
         start = time.perf_counter()
         enter(self, epoch)
@@ -104,17 +106,17 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
         entries[-1]["state_bytes"] = self.state_traffic.bytes
         entries.append({})  # what follows is no epoch's start
 
-    Averager._enter_epoch = entering  # type: ignore[method-assign]
+    Epochs._enter_epoch = entering  # type: ignore[method-assign]
     if plan.get("receive_delay_s"):  # a slow link to this site: the state it receives arrives that much later
-        import fabric_multimodel.averaging as averaging
+        import fabric_multimodel.epochs as epochs
 
-        relay = averaging.relay_bytes
+        relay = epochs.relay_bytes
 
         def late(*args: Any, **kwargs: Any) -> Any:
             time.sleep(plan["receive_delay_s"])
             return relay(*args, **kwargs)
 
-        averaging.relay_bytes = late  # type: ignore[assignment]
+        epochs.relay_bytes = late  # type: ignore[assignment]
 
     local_rank = plan.get("local_rank", 0)
     report = name if local_rank == 0 else f"{name}/{local_rank}"

@@ -7,7 +7,7 @@ import itertools
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fabric_multimodel import Averager
 from fabric_multimodel.collectives import POLL_S, wait_all
 from fabric_multimodel.launch import free_port, process_context
-from fabric_multimodel.membership import Membership, RunEnded, _Decision, site_of
+from fabric_multimodel.membership import Membership, RunEnded, _Decision, coordinator_store, site_of
 from tests.membership_sites import averaging_site, counting_site
 
 _runs = itertools.count()
@@ -53,16 +53,17 @@ def _run_sites(
     lost: str,
     processes: int = 1,
     ghost: bool = False,
+    on_registered: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
     """Start the sites of ``plans`` one after the other, each once the one before has registered (so that the first
     is rank 0 of the first epoch); once ``lost`` reported its last round, start ``joiner``; collect every report
     (``processes`` per site: each site a gloo world of its own, its process i > 0 reporting as ``name/i``). With
     ``ghost``, a site registers once the others did and never beats (it died waiting): ``reports["ghost"]`` is
-    what its ``admit/`` key says at the end."""
+    what its ``admit/`` key says at the end. ``on_registered()`` is called once every site of ``plans`` registered."""
     queue = process_context().Queue()
-    host, port = address.rsplit(":", 1)
     run = next(iter(plans.values()))["run"]
-    store = dist.PrefixStore(f"{run}/", dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False))
+    coordinator = coordinator_store(address, timeout=60)  # held: the prefix does not keep an etcd store alive
+    store = dist.PrefixStore(f"{run}/", coordinator)
     procs = []
 
     def start(name: str, plan: dict[str, Any]) -> None:
@@ -75,6 +76,7 @@ def _run_sites(
         deadline = time.monotonic() + 60
         while store.add("joins", 0) < registered and time.monotonic() < deadline:
             time.sleep(0.02)
+    on_registered()
     if ghost:
         number = store.add("joins", 1)
         store.set(f"join/{number}", f"ghost#{number}")
@@ -184,6 +186,29 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     assert [e for e, _ in finished["d"]["epochs"]] == [epochs[-1][0]]
 
 
+def test_sites_train_on_through_an_etcd_cluster_that_loses_a_member(etcd: tuple[str, list[Any]]) -> None:
+    """The agreement kept in an etcd cluster of three: the member every site asks first is killed once the sites
+    registered, and the sites still lose one of theirs and admit another (etcd goes on with two of three), and end
+    with the same model."""
+    address, members = etcd
+    run = f"etcd{next(_runs)}"
+    common = {"run": run, "steps": 240, "options": _diloco(), "step_s": 0.01, "momentum": 0.9}
+    plans = {name: {**common, "min_sites": 3, "die_at": 40 if name == "a" else None} for name in "abc"}
+
+    def lose_a_member() -> None:
+        members[0].kill()
+        members[0].wait(timeout=10)
+
+    reports = _run_sites(averaging_site, address, plans, ("d", common), "a", on_registered=lose_a_member)
+    assert members[0].poll() is not None
+    finished = {name: report for name, (report, _) in reports.items() if name != "a"}
+    assert len({r["params"] for r in finished.values()}) == 1, "the sites left the block with different models"
+    assert all(r["steps"] == 240 for r in finished.values())
+    for name in "bc":
+        epochs = [(e, tuple(sorted(s))) for e, s in finished[name]["epochs"]]
+        assert epochs[0] == (1, ("a", "b", "c")) and epochs[-1][1] == ("b", "c", "d"), epochs
+
+
 def test_paced_sites_agree_their_pace_again_when_a_site_leaves_and_when_one_joins(coordinator: str) -> None:
     """pace="speed": c (and later d) steps three times slower than a and b, so runs a third of their steps per
     round. a is lost, d joins: each epoch agrees the pace again among its members, d running the fastest site's
@@ -289,6 +314,7 @@ def test_an_averager_refuses_what_membership_cannot_take_before_the_site_registe
     ("arguments", "named"),
     [
         ({"coordinator": "nohost", "site": "a"}, "coordinator"),
+        ({"coordinator": "etcd://h1:2379,h2", "site": "a"}, "coordinator"),
         ({"coordinator": "127.0.0.1:1", "site": "a#1"}, "site"),
         ({"coordinator": "127.0.0.1:1", "site": "a", "min_sites": 0}, "min_sites"),
         ({"coordinator": "127.0.0.1:1", "site": "a", "timeout": -1}, "timeout"),
