@@ -16,49 +16,28 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, cli, ddp_of, node_groups
+from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, cli, ddp_of, launch, node_groups
 from fabric_multimodel.checkpoints import CheckpointError, same_settings
 from fabric_multimodel.cli import add_averager_arguments, check_averager_arguments
 from fabric_multimodel.elastic import Resumed, restart_count
 from fabric_multimodel.flat import local_part
-from fabric_multimodel.launch import shutdown
+from fabric_multimodel.launch import LAUNCHER_FLAGS, launched_by, shutdown
 from fabric_multimodel.membership import Membership, RunEnded, site_of
 from fabric_multimodel.sharded_checkpoints import ResumedSharded
-
-
-def launched_by() -> str | None:
-    """The launcher that started this process as one rank of a world (it owns devices and processes), or None
-    when the script starts its own processes (``--devices``)."""
-    if os.environ.get("LT_CLI_USED") == "1":  # `fabric run`, which runs torchrun itself: checked first
-        return "fabric run"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return "torchrun"
-    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
-        return "SLURM"  # srun, as Lightning's SLURMEnvironment detects it
-    return None
-
 
 LAUNCHER = launched_by()
 AUTO = Path("auto")  # --resume auto
 #: --comm-dtype in run folder names.
 LOW_PRECISION = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8e5m2", "float4_e2m1fn_x2": "fp4"}
-#: The launcher's own flags for what the scripts' --devices, --num-nodes and --accelerator say.
-LAUNCHER_FLAGS = {
-    "fabric run": ("--devices", "--num-nodes", "--accelerator"),
-    "torchrun": ("--nproc-per-node", "--nnodes", None),
-    "SLURM": ("--ntasks-per-node", "--nodes", None),
-}
 
 
 def record_error(message: str) -> None:
@@ -284,31 +263,14 @@ def checkpoint_name(args: argparse.Namespace) -> str:
 
 def world_shape(args: argparse.Namespace) -> tuple[int, int]:
     """(processes per node, nodes): the launcher's (torchrun, SLURM), else ``--devices`` and ``--num-nodes``."""
-    if LAUNCHER in ("torchrun", "fabric run"):  # `fabric run` runs torchrun
-        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-        return per_node, int(os.environ["WORLD_SIZE"]) // per_node
-    if LAUNCHER == "SLURM":
-        nodes = int(os.environ["SLURM_NNODES"])
-        return int(os.environ["SLURM_NTASKS"]) // nodes, nodes
-    return args.devices or 1, getattr(args, "num_nodes", 1)
+    return launch.world_shape(args.devices, getattr(args, "num_nodes", 1))
 
 
 def start_fabric(args: argparse.Namespace, **kwargs: Any) -> Fabric:
-    """A launched Fabric in the world this process was started into: by `fabric run`, torchrun or SLURM, or
-    (plain ``python``) the ``--devices`` processes it starts itself.
-
-    With several processes, a collective that waits longer than ``--timeout`` for a peer (a stalled
-    or dead rank) fails instead of hanging for the default 30 minutes.
-    """
-    if LAUNCHER == "fabric run":
-        world = int(os.environ["WORLD_SIZE"])
-        strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if world > 1 else "auto"
-        return Fabric(strategy=strategy, **kwargs)  # `fabric run` started the processes and passes its settings
-    devices, nodes = world_shape(args)
-    strategy = DDPStrategy(timeout=timedelta(seconds=args.timeout)) if devices * nodes > 1 else "auto"
-    fabric = Fabric(accelerator=args.accelerator, devices=devices, num_nodes=nodes, strategy=strategy, **kwargs)
-    fabric.launch()  # starts the processes only when no launcher did
-    return fabric
+    """A launched Fabric in the world this process was started into (see ``fabric_multimodel.launch``); a
+    collective that waits longer than ``--timeout`` for a peer fails."""
+    options = dict(devices=args.devices, num_nodes=args.num_nodes, accelerator=args.accelerator)
+    return launch.start_fabric(Fabric, timeout=args.timeout, **options, **kwargs)
 
 
 def averager_options(args: argparse.Namespace, placement: Layout, optimizers: Sequence[Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from fabric_multimodel import Averager, Checkpointer, Loop, Membership, setup_models
+from fabric_multimodel.launch import start_fabric
 
 
 def loss_of(model: nn.Module, step: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -30,11 +31,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/minimal", help="checkpoints; a run started again resumes from here")
     p.add_argument("--coordinator", help="HOST:PORT: this world is site $SITE of a run whose sites come and go")
     args = p.parse_args()
-    world, per_node = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    shape = {} if os.environ.get("LT_CLI_USED") == "1" else {"devices": per_node, "num_nodes": world // per_node}
-    fabric = Fabric(strategy="ddp" if world > 1 else "auto", **shape)
-    if shape:  # torchrun's processes, or one; `fabric run` started its own and passes its options
-        fabric.launch()
+    fabric = start_fabric(Fabric)  # in the world `fabric run`, torchrun or the sites tool made, or one process
     torch.manual_seed(0)
     (model,) = setup_models(fabric, model=nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))

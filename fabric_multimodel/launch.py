@@ -4,6 +4,8 @@
   with a launched Fabric (tests, benchmarks, quick experiments): CPU and gloo by default, or with
   CUDA tensors (see :func:`join_local_world` for where each rank's tensors live). Their processes
   come from :func:`process_context`, which imports torch and Lightning Fabric once, not per process.
+- :func:`start_fabric` is a script's launched Fabric in whatever world it was started into (``fabric run``,
+  torchrun, SLURM, or plain ``python`` starting its own processes), :func:`launched_by` which launcher that was.
 - :func:`shutdown` ends a process's part in a world so that the interpreter exits cleanly.
 - :func:`stop_process_tree` ends a launcher (``fabric run``) and every rank it started.
 - :func:`parse_final_line` reads the ``final: key=value ...`` line a launched script ends with.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -26,6 +29,82 @@ from typing import Any
 
 #: A collective that hangs in a world made here becomes an error after this many seconds.
 COLLECTIVE_TIMEOUT_S = 600
+
+
+#: Each launcher's own flags for what a script's ``devices``, ``num_nodes`` and ``accelerator`` say (None: it has none).
+LAUNCHER_FLAGS = {
+    "fabric run": ("--devices", "--num-nodes", "--accelerator"),
+    "torchrun": ("--nproc-per-node", "--nnodes", None),
+    "SLURM": ("--ntasks-per-node", "--nodes", None),
+}
+
+
+def launched_by() -> str | None:
+    """The launcher that started this process as one rank of a world (it owns the devices and the processes):
+    ``"fabric run"``, ``"torchrun"``, ``"SLURM"``; None when the script starts its own processes.
+
+    Example::
+
+        if launched_by() is not None and args.devices is not None:
+            parser.error(f"--devices: {launched_by()} started the processes; give the number to it instead")
+    """
+    if os.environ.get("LT_CLI_USED") == "1":  # `fabric run`, which runs torchrun itself: checked first
+        return "fabric run"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun"
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM"  # srun, as Lightning's SLURMEnvironment detects it
+    return None
+
+
+def world_shape(devices: int | None = None, num_nodes: int = 1) -> tuple[int, int]:
+    """(processes per node, nodes) of this process's world: the launcher's (see :func:`launched_by`), else
+    ``devices`` (default 1) and ``num_nodes``.
+
+    Example::
+
+        per_node, nodes = world_shape(args.devices, args.num_nodes)
+    """
+    launcher = launched_by()
+    if launcher in ("torchrun", "fabric run"):  # `fabric run` runs torchrun
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        return per_node, int(os.environ["WORLD_SIZE"]) // per_node
+    if launcher == "SLURM":
+        nodes = int(os.environ["SLURM_NNODES"])
+        return int(os.environ["SLURM_NTASKS"]) // nodes, nodes
+    return devices or 1, num_nodes
+
+
+def start_fabric(
+    fabric_class: type,
+    *,
+    devices: int | None = None,
+    num_nodes: int = 1,
+    accelerator: str = "auto",
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A launched ``fabric_class`` (either family's ``Fabric``) in the world this process was started into: by
+    ``fabric run``, torchrun or SLURM (their processes, devices and nodes), or with plain ``python`` the
+    ``devices`` x ``num_nodes`` processes it starts itself. The trap it spares a script: under ``fabric run``
+    it must not call ``fabric.launch()``, and under plain ``python`` it must. With several processes, a
+    collective that waits longer than ``timeout`` seconds for a peer fails instead of hanging for 30 minutes.
+
+    Example::
+
+        from lightning.fabric import Fabric
+        fabric = start_fabric(Fabric, devices=args.devices, timeout=300.0)  # any launcher, or none
+    """
+    strategies = importlib.import_module(fabric_class.__module__.rpartition(".")[0] + ".strategies")
+    limit = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if launched_by() == "fabric run":  # it started the processes and passes its settings
+        several = int(os.environ["WORLD_SIZE"]) > 1
+        return fabric_class(strategy=strategies.DDPStrategy(**limit) if several else "auto", **kwargs)
+    per_node, nodes = world_shape(devices, num_nodes)
+    strategy = strategies.DDPStrategy(**limit) if per_node * nodes > 1 else "auto"
+    fabric = fabric_class(accelerator=accelerator, devices=per_node, num_nodes=nodes, strategy=strategy, **kwargs)
+    fabric.launch()  # starts the processes only when no launcher did
+    return fabric
 
 
 def free_port() -> int:
