@@ -17,10 +17,12 @@ Example::
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -54,7 +56,9 @@ class EtcdStore(dist.Store):
     """A store of keys in the etcd cluster at ``endpoints`` (``http://host:port`` each), under ``prefix``.
 
     ``get`` and ``wait`` wait for a key up to ``timeout`` seconds (then ``RuntimeError``, as a ``TCPStore``'s
-    do); any call that finds no reachable member with a leader for that long fails the same way.
+    do); any call that finds no reachable member with a leader for that long fails the same way. A call whose
+    answer was lost (a member lost mid-call) is sent again to the next member; ``add`` then tells, from a key of
+    its own (``fmm-etcd-ops/<this store's id>``), whether the first attempt was applied, so it never counts twice.
 
     Example::
 
@@ -70,6 +74,8 @@ class EtcdStore(dist.Store):
         self.endpoints, self.prefix = list(endpoints), prefix
         self._seconds = float(timeout)
         self._at = 0  # the endpoint that answered last: tried first
+        # Each swap also writes its number here, so that a swap whose answer was lost can be told applied.
+        self._marker, self._swaps = f"fmm-etcd-ops/{uuid.uuid4().hex}", itertools.count(1)
 
     # --- etcd's v3 JSON gateway ------------------------------------------------------------------
 
@@ -80,16 +86,20 @@ class EtcdStore(dist.Store):
         while True:
             for _ in range(len(self.endpoints)):
                 url = f"{self.endpoints[self._at]}/v3/{path}"
-                request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
                 try:
-                    with urllib.request.urlopen(request, timeout=max(1.0, min(5.0, self._seconds))) as reply:
-                        return json.loads(reply.read() or b"{}")
+                    return self._post(url, data)
                 except (urllib.error.URLError, OSError, ValueError) as error:  # unreachable, no leader, cut off
                     failures.append(f"{url}: {error}")
                     self._at = (self._at + 1) % len(self.endpoints)
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"EtcdStore: no etcd member answered in {self._seconds:.0f} s ({failures[-1]})")
             time.sleep(0.1)
+
+    def _post(self, url: str, data: bytes) -> dict[str, Any]:
+        """One attempt: POST ``data`` to ``url``; its JSON answer."""
+        request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=max(1.0, min(5.0, self._seconds))) as reply:
+            return json.loads(reply.read() or b"{}")
 
     def _key(self, key: str) -> str:
         return _b64(self.prefix + key)
@@ -105,8 +115,14 @@ class EtcdStore(dist.Store):
             compare |= {"target": "CREATE", "create_revision": "0"}
         else:
             compare |= {"target": "MOD", "mod_revision": seen["mod_revision"]}
+        number = str(next(self._swaps))
         put = {"request_put": {"key": self._key(key), "value": _b64(value)}}
-        return bool(self._call("kv/txn", {"compare": [compare], "success": [put]}).get("succeeded"))
+        mark = {"request_put": {"key": self._key(self._marker), "value": _b64(number)}}
+        if self._call("kv/txn", {"compare": [compare], "success": [put, mark]}).get("succeeded"):
+            return True
+        # Not applied now; but an attempt whose answer was lost may have been (then the compare failed on it).
+        marked = self._range(self._marker)
+        return marked is not None and base64.b64decode(marked.get("value", "")) == number.encode()
 
     # --- the Store's methods ----------------------------------------------------------------------
 

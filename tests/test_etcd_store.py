@@ -62,6 +62,30 @@ def test_a_key_that_never_comes_is_a_timeout(etcd: tuple[str, Any]) -> None:
     assert time.monotonic() - start < 5
 
 
+class LosingAnswers(EtcdStore):
+    """An EtcdStore whose first transactions (every other one of the first eight) are applied by etcd but their
+    answers lost (a member lost mid-call): each such call goes again to the next member."""
+
+    transactions = 0
+
+    def _post(self, url: str, data: bytes) -> dict[str, Any]:
+        answer = super()._post(url, data)
+        if url.endswith("/v3/kv/txn"):
+            self.transactions += 1
+            if self.transactions <= 8 and self.transactions % 2 == 1:
+                raise OSError("the connection was reset before the answer came")
+        return answer
+
+
+def test_an_operation_whose_answer_was_lost_is_applied_once(etcd: tuple[str, Any]) -> None:
+    address, _ = etcd
+    store = LosingAnswers(endpoints_of(address), timeout=20)
+    counter, flag = f"counter{next(_runs)}", f"flag{next(_runs)}"
+    assert [store.add(counter, 1) for _ in range(4)] == [1, 2, 3, 4]
+    assert store.compare_set(flag, "", "first") == b"first" and store.compare_set(flag, "", "second") == b"first"
+    assert store.transactions > 8  # four answers were lost, and the counts are still right
+
+
 @pytest.mark.parametrize("address", ["etcd://", "etcd://host", "etcd://a:1,b"])
 def test_a_bad_cluster_address_names_itself(address: str) -> None:
     with pytest.raises(ValueError, match="etcd://host:port"):
