@@ -48,7 +48,8 @@ class Loop:
         stop: what stops the run on a scheduler's signal (True: SIGTERM; False: nothing; or a
             :class:`~fabric_multimodel.preemption.PreemptionStop` of your own): every rank stops at one step, where
             no round is in flight, after writing a checkpoint.
-        start: the step this rank resumes after (default: ``averager.steps``, which a resume or a join sets).
+        start: the step this rank resumes after (default: ``averager.steps``, which a resume or a join sets: build
+            the Loop after resuming).
 
     Example::
 
