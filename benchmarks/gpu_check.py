@@ -374,7 +374,7 @@ def read_pytest(_: Path | None, stdout: str) -> Reading:
 
 def read_final(stdout: str, keys: list[str], headline: list[str]) -> Reading:
     """An example's ``final:`` line: every value (raw), the ``headline`` ones as figures."""
-    from fabric_multimodel.launch import parse_final_line
+    from fabric_multimodel.report import parse_final_line
 
     final = parse_final_line(stdout, keys)
     line = next(line for line in reversed(stdout.splitlines()) if line.startswith("final:"))

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, site_sweep  # noqa: E402
 from fabric_multimodel.cost_model import Setting, utilisation  # noqa: E402
-from fabric_multimodel.launch import parse_final_line  # noqa: E402
+from fabric_multimodel.report import parse_final_line  # noqa: E402
 from fabric_multimodel.sites import run_sites  # noqa: E402
 
 NAME = "plan_check"

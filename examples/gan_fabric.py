@@ -42,16 +42,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import (
-    GradientBytes,
-    Parser,
-    Progress,
-    StartPhases,
     add_averaging_arguments,
     add_run_arguments,
     check_arguments,
     checkpoints,
     data_rank,
-    final_line,
     layout,
     main,
     mode_name,
@@ -59,8 +54,6 @@ from common import (
     run_config,
     run_folder,
     start_averager,
-    start_fabric,
-    state_bytes,
     stopped,
     summary,
     warmup_ended,
@@ -70,7 +63,10 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Loop, frozen, setup_models
+from fabric_multimodel import Loop, cli, frozen, setup_models
+from fabric_multimodel.cli import Parser
+from fabric_multimodel.progress import Progress, StartPhases
+from fabric_multimodel.report import GradientBytes, final_line, state_bytes
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
@@ -210,7 +206,7 @@ def save_picture(path: Path, samples: torch.Tensor) -> None:
 def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
     phases = StartPhases()
-    fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
+    fabric = cli.start_fabric(Fabric, args, loggers=CSVLogger(root_dir=args.out, name="logs"))
     phases.mark("fabric")
     placement = layout(fabric, args)
     sharded = args.shard == "node"  # every process of a site then takes part in its forwards (evaluation too)
@@ -299,7 +295,7 @@ def train(args: argparse.Namespace) -> int | None:
         result = f"modes_captured={quality.modes_captured}/{N_MODES} high_quality={quality.high_quality:.3f}"
     else:
         result = "dataset=digits"
-    print(summary(args, grad_bytes, averager, picture.name, round_checkpoints if args.checkpoint_rounds else ""))
+    print(summary(args, grad_bytes, averager, picture.name, round_checkpoints))
     print(final_line(loop.last, result, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=comm,
                      state_bytes=memory, averager=averager), flush=True)  # fmt: skip
     return None

@@ -40,13 +40,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from common import LAUNCHER, LAUNCHER_FLAGS, GradientBytes, Parser, final_line, run_folder, world_shape
+from common import run_folder
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_multimodel import frozen
-from fabric_multimodel.launch import shutdown
+from fabric_multimodel.cli import Parser
+from fabric_multimodel.launch import LAUNCHER_FLAGS, launched_by, shutdown, world_shape
 from fabric_multimodel.lightning import ModelAveraging, MultiModelDDPStrategy
+from fabric_multimodel.report import GradientBytes, final_line
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_quality, sample_ring
 
 EVAL_SAMPLES = 2500
@@ -73,9 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= {minimum}, got {getattr(args, flag)}")
     if args.devices is not None and args.devices < 1:
         p.error(f"--devices must be >= 1, got {args.devices}")
-    if LAUNCHER is not None and args.devices is not None:
+    launcher = launched_by()
+    if launcher is not None and args.devices is not None:
         p.error(
-            f"--devices: {LAUNCHER} started the processes; give {LAUNCHER_FLAGS[LAUNCHER][0]} to {LAUNCHER} instead"
+            f"--devices: {launcher} started the processes; give {LAUNCHER_FLAGS[launcher][0]} to {launcher} instead"
         )
     if not (math.isfinite(args.lr) and args.lr > 0):
         p.error(f"--lr must be a positive number, got {args.lr}")
@@ -200,7 +203,7 @@ def train(args: argparse.Namespace) -> tuple[str | None, list[Any]]:
     pl.seed_everything(args.seed, verbose=False)  # the same initial weights on every rank
     meter = Meter(args)
     averaging = ModelAveraging(args.period, args.warmup_steps, average_optimizer_state=True) if args.period else None
-    devices, nodes = world_shape(args)
+    devices, nodes = world_shape(args.devices)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=devices,

@@ -56,17 +56,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from common import (
-    GradientBytes,
-    Parser,
-    Progress,
-    StartPhases,
     add_averaging_arguments,
     add_run_arguments,
     check_arguments,
     checkpoints,
     data_rank,
     fail,
-    final_line,
     layout,
     link_line,
     main,
@@ -75,8 +70,6 @@ from common import (
     run_config,
     run_folder,
     start_averager,
-    start_fabric,
-    state_bytes,
     stopped,
     summary,
     warmup_ended,
@@ -85,7 +78,10 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
-from fabric_multimodel import Loop, setup_models
+from fabric_multimodel import Loop, cli, setup_models
+from fabric_multimodel.cli import Parser
+from fabric_multimodel.progress import Progress, StartPhases
+from fabric_multimodel.report import GradientBytes, final_line, state_bytes
 
 #: The LM's settings a resumed run must share (beyond the examples' common ones).
 SETTINGS = ("context", "clip", "d_model", "layers", "heads", "positions", "tie_weights", "shard")
@@ -238,10 +234,10 @@ class Stream:
     continue exactly where the stream stopped.
     """
 
-    def __init__(self, text: torch.Tensor, context: int, seed: int, rank: int) -> None:
+    def __init__(self, text: torch.Tensor, context: int, seed: int, rank: int, position: int = 0) -> None:
         self.text, self.context, self.seed, self.rank = text, context, seed, rank
         self.windows = (len(text) - 1) // context - 1  # a grid offset below `context` keeps the last one whole
-        self.position = 0
+        self.position = position
         self._epoch = -1
         self._starts = torch.empty(0, dtype=torch.long)
 
@@ -411,7 +407,7 @@ def save_plot(path: Path, history: Sequence[Sequence[float]]) -> None:
 def train(args: argparse.Namespace) -> int | None:
     torch.set_num_threads(1)  # several processes share the cores; more threads each only contend
     phases = StartPhases()
-    fabric = start_fabric(args, loggers=CSVLogger(root_dir=args.out, name="logs"))
+    fabric = cli.start_fabric(Fabric, args, loggers=CSVLogger(root_dir=args.out, name="logs"))
     phases.mark("fabric")
     corpus = load_text(fabric, args)
     phases.mark("data")
@@ -422,8 +418,7 @@ def train(args: argparse.Namespace) -> int | None:
     phases.mark("models")
     averager = start_averager(fabric, args, model, placement, [optimizer])  # None: synchronous DDP
     phases.mark("averager")
-    data = [str(path) for path in args.data] if args.data else "python-stdlib"
-    config = run_config(args, data=data, **{k: getattr(args, k) for k in SETTINGS})
+    config = run_config(args, *SETTINGS, data=[str(path) for path in args.data or ()] or "python-stdlib")
     # history: [step, bytes sent, validation loss] rows for the plot; a site that joins starts at the others' step
     state: dict[str, Any] = {
         "model": model, "optimizer": optimizer, "data_position": 0, "grad_bytes": 0, "history": [], "config": config,
@@ -431,9 +426,7 @@ def train(args: argparse.Namespace) -> int | None:
     }  # fmt: skip
     checkpointer = checkpoints(fabric, args, state, averager, phases)  # resumed: the values in `state`
     grad_bytes.bytes = state["grad_bytes"]
-    # Every rank reads its own order of the training text; the same weights everywhere (seeded in build).
-    stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args))
-    stream.position = state["data_position"]
+    stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args), state["data_position"])
     eval_batches = [b.to(fabric.device) for b in validation_batches(corpus.val, args.eval_batches, args.context)]
 
     def sent() -> int:
@@ -457,6 +450,7 @@ def train(args: argparse.Namespace) -> int | None:
                 checkpoint_every=args.checkpoint_every, checkpoint_rounds=args.checkpoint_rounds)  # fmt: skip
     fabric.print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters; text: {corpus}")
     progress = Progress(loop.last, loop.step, args.log_every, fabric.is_global_zero, unit="tok")
+    tokens = args.batch_size * args.context * fabric.world_size  # per step, for the rate
     iter_seconds: list[float] = []
     loss: torch.Tensor | None = None  # the last step's, logged at the end
     memory = 0  # state_bytes, measured at the last step
@@ -486,10 +480,7 @@ def train(args: argparse.Namespace) -> int | None:
                     warmup_ended(fabric, averager, loop, progress)
             if averager is None or step > args.warmup_steps:  # time the steady state only
                 iter_seconds.append(time.perf_counter() - tick)
-
-            progress(
-                step, lambda loss=loss: {"loss": loss.item()}, scale=args.batch_size * args.context * fabric.world_size
-            )
+            progress(step, lambda loss=loss: {"loss": loss.item()}, scale=tokens)
             if step % args.log_every == 0 and step < loop.last:  # the last step is logged after the block
                 log(step, loss, time.perf_counter() - wall)
             end = (time.perf_counter(), sent())
@@ -506,12 +497,9 @@ def train(args: argparse.Namespace) -> int | None:
     sample = printable(generate(model, PROMPT, SAMPLE_BYTES, fabric.device)) if fabric.is_global_zero or sharded else ""
     if not fabric.is_global_zero:
         return None
-
     link = link_line(averager, *end_round) if averager is not None else ""
     quality = f"val_loss={val_loss:.4f} val_bpb={val_loss / math.log(2):.4f}"
-    lines = summary(
-        args, grad_bytes, averager, "val_loss.png", link, round_checkpoints if args.checkpoint_rounds else ""
-    )
+    lines = summary(args, grad_bytes, averager, "val_loss.png", round_checkpoints, link)
     final = final_line(loop.last, quality, wall_s=wall, iter_seconds=iter_seconds, comm_bytes=sent(),
                        state_bytes=memory, averager=averager)  # fmt: skip
     report(args, state["history"], sample, lines, final)

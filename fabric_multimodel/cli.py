@@ -1,14 +1,25 @@
-"""The Averager's options as command-line flags, in the spellings the examples, the sites tool and the planner share:
-:func:`add_averager_arguments` adds them to a parser, :func:`check_averager_arguments` checks their combinations
-with the flags' names (on every rank, before any collective), :func:`averager_options` turns them into the
-Averager's keywords.
+"""Command-line flags for a training script, in the spellings the examples, the sites tool and the planner share.
+
+- The Averager's options: :func:`add_averager_arguments` adds them, :func:`check_averager_arguments` checks their
+  combinations with the flags' names, :func:`averager_options` turns them into the Averager's keywords.
+- Where the processes come from: :func:`add_launch_arguments` (``--devices``, ``--num-nodes``, ``--accelerator``,
+  ``--timeout``), :func:`check_launch_arguments` (which refuses the flags a launcher such as ``fabric run`` owns),
+  :func:`start_fabric`.
+- Live membership: :func:`add_membership_arguments` (``--coordinator``, ``--site``, ``--min-sites``),
+  :func:`check_membership_arguments`, :func:`membership`.
+- :class:`Parser`: argparse whose errors are one line, also in torch elastic's failure report.
+
+Every check runs on every rank before any collective, so a bad flag stops every process with one line.
 
 Example::
 
-    parser = argparse.ArgumentParser()
+    parser = Parser("train.py", "my training script")
     add_averager_arguments(parser, warmup_steps=100)
+    add_launch_arguments(parser)
     args = parser.parse_args()
     check_averager_arguments(parser, args)
+    check_launch_arguments(parser, args)
+    fabric = start_fabric(Fabric, args)
     options = averager_options(args, [optimizer])  # {} with --period 0: synchronous DDP
     averager = Averager(fabric, model, **options) if options else None
 """
@@ -17,9 +28,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from fabric_multimodel import launch
+
+if TYPE_CHECKING:
+    from lightning.fabric import Fabric
+
+    from fabric_multimodel.membership import Membership
 
 #: The payloads ``--comm-dtype`` takes (torch's names); the float8 and float4 ones are block-quantized.
 COMM_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2")
@@ -179,3 +201,143 @@ def averager_options(args: argparse.Namespace, optimizers: Sequence[Any] = ()) -
     if args.outer == "none" and not args.overlap_steps and args.fragments == 1:
         options["optimizers"] = list(optimizers)
     return options
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the group ``processes``: ``--devices``, ``--num-nodes`` and ``--accelerator`` (for a script started with
+    plain ``python``, which starts its own processes) and ``--timeout`` (seconds a collective may wait for a peer)."""
+    g = parser.add_argument_group("processes")
+    g.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a collective may wait for a peer before failing"
+    )
+    g.add_argument(
+        "--devices", type=int, help="processes to start (default 1); under `fabric run`, give it to `fabric run`"
+    )
+    g.add_argument(
+        "--num-nodes", type=int, default=1, help="nodes, this script started on each; under `fabric run`, give it there"
+    )
+    g.add_argument(
+        "--accelerator",
+        choices=["auto", "cpu", "cuda", "gpu", "mps"],
+        default="auto",
+        help="with --devices, when the script starts its own processes",
+    )
+    return g
+
+
+def check_launch_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` on a count below 1, a timeout that is not a positive number, or a flag that the launcher
+    which started this process owns (``--devices 2`` under ``fabric run``: give it to ``fabric run``)."""
+    for flag in ("devices", "num_nodes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        parser.error(f"--timeout must be a positive number, got {args.timeout}")
+    launcher = launch.launched_by()
+    if launcher is not None:
+        devices, nodes, accelerator = launch.LAUNCHER_FLAGS[launcher]
+        given: list[tuple[str, str | None, bool]] = [
+            ("--devices", devices, args.devices is not None),
+            ("--num-nodes", nodes, args.num_nodes != 1),
+            ("--accelerator", accelerator, accelerator is not None and args.accelerator != "auto"),
+        ]
+        for flag, theirs, set_here in given:
+            if set_here:
+                parser.error(f"{flag}: {launcher} started the processes; give {theirs} to {launcher} instead")
+
+
+def start_fabric(fabric_class: type[Fabric], args: argparse.Namespace, **kwargs: Any) -> Fabric:
+    """A launched Fabric in the world this process was started into, or the one ``--devices`` and ``--num-nodes``
+    ask for (see ``fabric_multimodel.launch.start_fabric``); a collective that waits longer than ``--timeout``
+    for a peer fails.
+
+    Example::
+
+        fabric = start_fabric(Fabric, args, precision="bf16-mixed")
+    """
+    options = dict(devices=args.devices, num_nodes=args.num_nodes, accelerator=args.accelerator)
+    return launch.start_fabric(fabric_class, timeout=args.timeout, **options, **kwargs)
+
+
+def add_membership_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the group ``live membership``: ``--coordinator`` (this process's world is a site of its own that joins
+    the run there), ``--site`` (its name, default ``$SITE``) and ``--min-sites`` (sites the run starts with)."""
+    g = parser.add_argument_group("live membership")
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="live membership: this process is a site of its own that joins the run through this coordinator"
+        " (python -m fabric_multimodel.coordinator; or etcd://HOST:PORT,HOST:PORT,... for an etcd cluster); sites"
+        " may leave and join while the others train on (default: none, the processes of this launch are the run)",
+    )
+    g.add_argument(
+        "--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name (default: $SITE)"
+    )
+    g.add_argument("--min-sites", type=int, default=1, help="with --coordinator: sites the run starts with")
+    return g
+
+
+def check_membership_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``parser.error`` on ``--coordinator`` without a ``--period`` (the sites average in rounds) or a ``--site``
+    name, or ``--min-sites`` below 1."""
+    if args.min_sites < 1:
+        parser.error(f"--min-sites must be >= 1, got {args.min_sites}")
+    if args.coordinator and not args.period:
+        parser.error("--coordinator needs --period (N or auto): the sites average in rounds")
+    if args.coordinator and (not args.site or "#" in args.site):
+        parser.error(f"--coordinator needs --site NAME (no '#'), got {args.site!r}")
+
+
+def membership(
+    args: argparse.Namespace, device: Any, on_transfer: Callable[[int, int, float], None] | None = None
+) -> Membership | None:
+    """The Averager's ``membership`` for ``--coordinator`` (None without it): this site's, its collectives failing
+    after ``--timeout``; ``on_transfer`` hears a joining site's progress in receiving the run's state.
+
+    Example::
+
+        averager = Averager(fabric, model, **averager_options(args), membership=membership(args, fabric.device))
+    """
+    if not args.coordinator:
+        return None
+    from fabric_multimodel.membership import Membership
+
+    timeout = getattr(args, "timeout", 300.0)
+    return Membership(
+        args.coordinator, args.site, device=device, min_sites=args.min_sites, timeout=timeout, on_transfer=on_transfer
+    )
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (several processes would interleave a usage block), also written where
+    torch elastic (``fabric run``, torchrun) reads a worker's failure, so that its report names the cause; and
+    --help shows the defaults.
+
+    Example::
+
+        parser = Parser("train.py", "train a model")
+    """
+
+    def __init__(self, prog: str, description: str) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=_DefaultsHelp)
+
+    def error(self, message: str) -> NoReturn:
+        """Exit with code 2 and ``PROG: error: MESSAGE`` on stderr, one line, also recorded for torch elastic."""
+        record_error(f"{self.prog}: error: {message}")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help  # a missing value says nothing; a help text may spell its default out
+        return super()._get_help_string(action)
+
+
+def record_error(message: str) -> None:
+    """Tell torch elastic (under ``fabric run`` and torchrun) the one-line reason a worker fails, so that the
+    failure report it prints last shows it as the root cause instead of a pointer to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        Path(path).write_text(json.dumps({"message": message, "timestamp": str(int(time.time()))}))

@@ -8,7 +8,6 @@
   torchrun, SLURM, or plain ``python`` starting its own processes), :func:`launched_by` which launcher that was.
 - :func:`shutdown` ends a process's part in a world so that the interpreter exits cleanly.
 - :func:`stop_process_tree` ends a launcher (``fabric run``) and every rank it started.
-- :func:`parse_final_line` reads the ``final: key=value ...`` line a launched script ends with.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -216,8 +215,8 @@ def shutdown() -> None:
     A gloo worker thread that still holds a finished collective's tensors while Python finalises
     can abort the process (``terminate called without an active exception``) after a run that
     succeeded. Call this once the objects that hold the process group are gone (the models from
-    :func:`setup_models`, their optimizers, the :class:`~fabric_multimodel.Averager`): it collects them and destroys
-    the group, which joins those threads while Python is still whole. The simplest way is to
+    :func:`~fabric_multimodel.setup_models`, their optimizers, the :class:`~fabric_multimodel.Averager`): it
+    collects them and destroys the group, which joins those threads while Python is still whole. The simplest way is to
     train inside a function and call ``shutdown()`` after it returns.
 
     Example::
@@ -373,27 +372,3 @@ def stop_process_tree(proc: Any, grace_s: float = 15.0) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     proc.wait()
-
-
-def parse_final_line(stdout: str, keys: Sequence[str]) -> dict[str, str]:
-    """The values of the last ``final: key=value ...`` line in ``stdout``, which must hold exactly ``keys``, in order.
-
-    The examples end with such a line (rank 0 only) so that benchmarks and tests can read their
-    results. Raises ``ValueError`` (quoting the end of the output) when there is none or it differs.
-
-    Example::
-
-        final = parse_final_line(proc.stdout, ["steps", "val_loss"])
-        print(float(final["val_loss"]))
-    """
-    lines = [line.strip() for line in stdout.splitlines() if line.strip()]
-    finals = [line for line in lines if line.startswith("final:")]
-    if not finals:
-        tail = "\n".join(lines[-5:])
-        raise ValueError(f"no 'final:' line in the output; it ended with:\n{tail}")
-    tokens = finals[-1].removeprefix("final:").split()
-    pairs = [token.split("=", 1) for token in tokens]
-    found = [pair[0] for pair in pairs]
-    if any(len(pair) != 2 or not pair[1] for pair in pairs) or found != list(keys):
-        raise ValueError(f"the final line does not hold exactly {list(keys)}: {finals[-1]!r}")
-    return dict(pairs)

@@ -183,6 +183,24 @@ class ResumedSharded(NamedTuple):
     bytes: int
     seconds: float
 
+    def describe(self, site: int) -> str:
+        """Where site ``site``'s resume came from: its own folder, another site's, or another site's state received
+        over the link.
+
+        Example::
+
+            found = resume_latest_sharded(fabric, folder / "checkpoint", state)
+            if found is not None:
+                print(f"step {found.step} from {found.describe(site)}")
+        """
+        if self.source == site:
+            sent = f"; sent {self.bytes / 1e6:.2f} MB to sites without one" if self.bytes else ""
+            return f"{self.folder} (its own{sent})"
+        if self.bytes:
+            received = f"{self.bytes / 1e6:.2f} MB in {self.seconds:.1f} s"
+            return f"site {self.source} over the link ({received}: it starts from the anchors)"
+        return f"{self.folder} (another site's: it starts from the anchors)"
+
 
 def resume_latest_sharded(
     fabric: Any,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_multimodel.launch import parse_final_line
+from fabric_multimodel.report import parse_final_line
 from fabric_multimodel.rounds import Header
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,14 +1,18 @@
 """fabric_multimodel.cli: the averaging flags. Whatever combination the flags' check lets through, the Averager's
-own checks take (a property test over every flag); what it refuses is one line naming a flag."""
+own checks take (a property test over every flag); what it refuses is one line naming a flag. The launch and
+membership flags, and the parser whose errors are one line, also in torch elastic's failure report."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabric_multimodel import cli
 from fabric_multimodel.arguments import check_fragments
 from fabric_multimodel.cli import COMM_DTYPES, add_averager_arguments, averager_options, check_averager_arguments
 from fabric_multimodel.config import AveragerConfig
@@ -96,3 +100,68 @@ def test_the_options_build_what_the_flags_say() -> None:
     assert options == {"period": 8, "warmup_steps": 3, "overlap_steps": 1, "fragments": 2, "mixing": 0.5}
     _, plain = parsed(["--period", "4"])
     assert averager_options(plain, optimizers=["adam"])["optimizers"] == ["adam"]  # blocking rounds average them
+
+
+LAUNCHERS = {  # an environment variable each launcher sets, and the flag of its own for the processes per node
+    "torchrun": ({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"}, "--nproc-per-node"),
+    "fabric run": ({"LT_CLI_USED": "1"}, "--devices"),
+}
+
+
+@pytest.fixture
+def no_launcher(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("LT_CLI_USED", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--devices", "0"], "--devices must be >= 1, got 0"),
+        (["--num-nodes", "0"], "--num-nodes must be >= 1, got 0"),
+        (["--timeout", "nan"], "--timeout must be a positive number"),
+        (["--timeout", "-1"], "--timeout must be a positive number"),
+        (["--coordinator", "h:1", "--site", "a"], "--coordinator needs --period"),
+        (["--coordinator", "h:1", "--period", "8", "--site", ""], "--coordinator needs --site NAME"),
+        (["--coordinator", "h:1", "--period", "8", "--site", "a#b"], "--coordinator needs --site NAME (no '#')"),
+        (["--min-sites", "0"], "--min-sites must be >= 1"),
+    ],
+)
+def test_launch_and_membership_flags_refused_in_one_line(argv, message, no_launcher) -> None:
+    parser = Parser()
+    add_averager_arguments(parser)
+    cli.add_launch_arguments(parser)
+    cli.add_membership_arguments(parser)
+    args = parser.parse_args(argv)
+    with pytest.raises(Refused, match=re.escape(message)):
+        cli.check_launch_arguments(parser, args)
+        cli.check_membership_arguments(parser, args)
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_flag_the_launcher_owns_names_the_launchers_own(launcher, no_launcher) -> None:
+    environment, theirs = LAUNCHERS[launcher]
+    for name, value in environment.items():
+        no_launcher.setenv(name, value)
+    parser = Parser()
+    cli.add_launch_arguments(parser)
+    cli.add_membership_arguments(parser)
+    cli.check_launch_arguments(parser, parser.parse_args([]))  # nothing given: fine
+    assert cli.membership(parser.parse_args([]), device="cpu") is None  # no --coordinator: no membership
+    with pytest.raises(Refused, match=f"--devices: {launcher} started the processes; give {theirs} to {launcher}"):
+        cli.check_launch_arguments(parser, parser.parse_args(["--devices", "2"]))
+
+
+def test_the_parser_errors_in_one_line_also_for_torch_elastic(tmp_path, monkeypatch, capsys) -> None:
+    report = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(report))
+    parser = cli.Parser("train.py", "a script")
+    parser.add_argument("--steps", type=int, default=10, help="steps to train")
+    assert "(default: 10)" in parser.format_help()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["--steps", "many"])
+    assert exit_info.value.code == 2
+    line = "train.py: error: argument --steps: invalid int value: 'many'"
+    assert capsys.readouterr().err == line + "\n"
+    assert json.loads(report.read_text())["message"] == line

@@ -23,7 +23,8 @@ import torch
 
 from fabric_multimodel.checkpoints import CheckpointWriter, read_checkpoint
 from fabric_multimodel.elastic import resume_latest
-from fabric_multimodel.launch import descendants, free_port, parse_final_line
+from fabric_multimodel.launch import descendants, free_port
+from fabric_multimodel.report import parse_final_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "lm_fabric.py"

@@ -25,7 +25,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fabric_multimodel.launch import free_port, parse_final_line, stop_process_tree
+from fabric_multimodel import cli
+from fabric_multimodel.launch import free_port, stop_process_tree
+from fabric_multimodel.report import parse_final_line
 from fabric_multimodel.rounds import Header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,14 +361,6 @@ def test_parse_args_defaults(lm: ModuleType, monkeypatch: pytest.MonkeyPatch) ->
     assert 100_000 <= sum(p.numel() for p in model.parameters()) <= 300_000  # sized for 2 CPU cores
 
 
-def test_progress_rate_counts_from_the_step_a_run_resumed_at(lm: ModuleType, monkeypatch, capsys) -> None:
-    clock = iter([100.0, 102.0])  # two seconds between the start (a resume at step 50) and step 60
-    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
-    progress = lm.Progress(total=100, start=50, every=10, enabled=True)
-    progress(60, lambda: {"loss": 1.0})
-    assert capsys.readouterr().out.strip() == "step 60/100 loss=1.000 5 it/s"
-
-
 @pytest.mark.parametrize(
     "flags, layout",
     [
@@ -425,9 +419,8 @@ def test_sigterm_stops_every_rank_within_a_few_steps(tmp_path: Path) -> None:
 def test_streaming_rounds_mix_half_by_default(
     lm: ModuleType, flags: list[str], mixing: float | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    common = importlib.import_module("common")
     argv = ["lm_fabric.py", "--out", str(tmp_path / "run"), "--period", "128", "--outer", "nesterov", *flags]
     monkeypatch.setattr(sys, "argv", argv)
     args = lm.parse_args()
-    options = common.averager_options(args, common.Layout({}, {}, None), [])
+    options = cli.averager_options(args, [])
     assert options.get("mixing") == mixing

@@ -26,8 +26,8 @@ from fabric_multimodel.cost_model import (
     utilisation,
     wire_bytes,
 )
-from fabric_multimodel.launch import parse_final_line
 from fabric_multimodel.plan import format_bits, main, parse_count
+from fabric_multimodel.report import parse_final_line
 
 #: The one cell the model misses by more than a step of the paper's grid: 100B streaming at 99%, 13.2 Gbit/s
 #: against 19.3 (the model lets each fragment's bytes leave during the whole backward; the simulator evidently not).
