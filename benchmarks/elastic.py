@@ -23,7 +23,10 @@ the rendezvous) and in live membership (from site 0), each beside its uninterrup
 is the uninterrupted run's wall-clock over the churned one's, for the same steps: the steps made over the steps
 the uninterrupted rate would have made. On 2 cores fewer sites also train faster, which flatters both churned runs,
 so the table also gives a survivor's seconds not training: torchrun's, from each kill and each return to its
-workers' next ``--resume auto`` line; live, its ``membership_wait_s``.
+workers' next ``--resume auto`` line; live, its ``membership_wait_s``. Where torchft is installed (``pip install -e
+'.[peers]'``), the same churn once more with torchft 0.2.0's own streaming DiLoCo (``benchmarks/torchft_lm.py``:
+the LM's model and data, 4 fragments, the same period, overlap and mixing; its Lighthouse in the coordinator's
+namespace, min_replicas 2), uninterrupted and churned (from site 0): the peer side by side.
 
 Usage::
 
@@ -37,6 +40,7 @@ Usage::
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import sys
@@ -60,6 +64,23 @@ FAILED_ROUND = re.compile(r"averaging round \d+ at step (\d+)(?: \(fragment \d+ 
 # torch elastic's log prefix, e.g. "E1201 22:28:35.218000 18922 .../api.py:1002] failed (exitcode: 1)"
 AGENT_FAILED = re.compile(r"^[EW](\d{4} \d\d:\d\d:\d\d\.\d+) \d+ .*failed \(exitcode")
 MEMBERSHIP_KEYS = [*common.LM_KEYS, "membership_wait_s", "process_start"]
+#: --paths: each path's two runs (their folders' names) and their columns in the churn table.
+PATHS = {
+    "torchrun": ("uninterrupted", "churn"),
+    "live": ("live-uninterrupted", "live-churn"),
+    "torchft": ("torchft-uninterrupted", "torchft-churn"),
+}
+COLUMNS = {"uninterrupted": "torchrun", "churn": "torchrun, churn", "live-uninterrupted": "live"}
+COLUMNS |= {"live-churn": "live, churn", "torchft-uninterrupted": "torchft", "torchft-churn": "torchft, churn"}
+TORCHFT_KEYS = ["steps", "val_loss", "val_bpb", "wall_s", "commits", "heals", "stalled_s", "process_start"]
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+
+
+def lighthouse() -> list[str]:
+    """torchft's Lighthouse, as its docs start it (``torchft_lighthouse --min_replicas 2 --join_timeout_ms 10000``:
+    a quorum needs 2 of the 3 sites), by this interpreter (the script's own argv is what the server parses)."""
+    script = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+    return [sys.executable, script, "--bind", "[::]:{port}", "--min_replicas", "2", "--join_timeout_ms", "10000"]
 
 
 def live_run(args: Any, label: str, drop: Drop | None, churn: Churn | None = None) -> dict[str, Any]:
@@ -115,6 +136,40 @@ def live_run(args: Any, label: str, drop: Drop | None, churn: Churn | None = Non
             row["received_mb"] = arrived[0]["state_bytes"] / 1e6
             started = float(parse_final_line(texts[drop.site], MEMBERSHIP_KEYS)["process_start"])
             row["start_to_training_s"] = arrived[0]["time"] - started  # its own process: imports, data, model, join
+    return row
+
+
+def torchft_run(args: Any, label: str, drop: None, churn: Churn | None = None) -> dict[str, Any]:
+    """The same sites with torchft's own streaming DiLoCo (``benchmarks/torchft_lm.py``), its Lighthouse as the
+    coordinator: how long the run took, and the final lines of the sites that ended it."""
+    folder = fresh_folder(args, label)
+    script = [
+        "--steps", str(args.steps), "--period", str(args.period), "--overlap-steps", str(args.period // 8),
+        "--out", str(folder / "site{site}"),
+    ]  # fmt: skip
+    result = run_sites(
+        common.REPO / "benchmarks" / "torchft_lm.py",
+        script,
+        sites=args.sites,
+        devices=1,
+        bandwidth=args.bandwidth,
+        out=folder / "sites",
+        launcher="live",
+        churn=churn,
+        stream=False,
+        timeout=args.run_timeout,
+        coordinator=lighthouse(),
+    )
+    texts = [out.read_text() for out, _ in result.logs]
+    ended = [site for site, text in enumerate(texts) if "final:" in text]
+    row: dict[str, Any] = {"run": label, "code": result.code, "sites_wall_s": result.wall_s}
+    row["kills"] = len(result.churned)
+    if result.code == 0 and ended:
+        finals = [parse_final_line(texts[site], TORCHFT_KEYS) for site in ended]
+        row.update({k: float(v) for k, v in finals[0].items()})
+        row["heals"] = sum(text.count("healed: step") for text in texts)
+        row["not_training_s"] = max(float(final["stalled_s"]) for final in finals)  # steps that waited over 2 s
+        row["losses"] = [float(final["val_loss"]) for final in finals]
     return row
 
 
@@ -255,6 +310,13 @@ def main(argv: list[str] | None = None) -> None:
         metavar="EVERY:DOWN",
         help="instead of one drop: kill a site every EVERY s, back DOWN s later, under torchrun and live (3 sites x 1)",
     )
+    p.add_argument(
+        "--paths",
+        nargs="+",
+        choices=list(PATHS),
+        default=list(PATHS),
+        help="with --churn: which paths to run, each uninterrupted and churned (torchft: when installed)",
+    )
     p.add_argument("example_args", nargs="*", help="more flags for the example, after `--`")
     args = p.parse_args(argv)
     args.live = args.live or bool(args.churn)  # churn: the torchrun and live paths side by side
@@ -270,9 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.churn:
         every, _, down = args.churn.partition(":")
         churn = Churn(float(every), float(down))
-        rows = [run(args, "uninterrupted", None), run(args, "churn", None, churn=churn)]
-        common.progress(f"torchrun: {rows[0]['sites_wall_s']:.0f} s, with churn {rows[1]['sites_wall_s']:.0f} s")
-        rows += [live_run(args, "live-uninterrupted", None), live_run(args, "live-churn", None, churn=churn)]
+        if "torchft" in args.paths and not (HAS_TORCHFT and args.streaming and args.devices == 1):
+            p.error("--paths torchft needs torchft (pip install -e '.[peers]'), --streaming and --devices 1")
+        rows, runners = [], {"torchrun": run, "live": live_run, "torchft": torchft_run}
+        for path in args.paths:
+            for label, kill in ((PATHS[path][0], None), (PATHS[path][1], churn)):
+                rows.append(runners[path](args, label, None, churn=kill))
+                common.progress(f"{label}: exit code {rows[-1]['code']}, {rows[-1]['sites_wall_s']:.0f} s")
         print_churn(args, churn, rows, common.machine_info())
         return
     if args.streaming and (args.period % 32 or (args.devices < 2 and not args.live)):
@@ -375,7 +441,7 @@ def print_live(args: Any, at: float, back: float, rows: list[dict[str, Any]], in
         ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),
     ]
     table = [[name, *(cell(row, key, fmt) for row in rows)] for name, key, fmt in spec]
-    for base, changed in ((rows[0], rows[1]), (rows[2], rows[3])):
+    for base, changed in zip(rows[::2], rows[1::2]):
         if base.get("val_loss") and changed.get("val_loss"):
             changed["loss_vs_uninterrupted"] = 100 * (changed["val_loss"] / base["val_loss"] - 1)
     table.append(["loss vs uninterrupted, %", *(cell(row, "loss_vs_uninterrupted", "{:+.2f}") for row in rows)])
@@ -396,11 +462,12 @@ def print_churn(args: Any, churn: Churn, rows: list[dict[str, Any]], info: dict[
         f" behind {args.bandwidth}; every {churn.every:g} s a site is killed and started again {churn.down:g} s later"
         " (live: round robin from site 0; torchrun: from site 1, as its site 0 hosts the rendezvous).\n"
     )
-    for base, changed in ((rows[0], rows[1]), (rows[2], rows[3])):
+    for base, changed in zip(rows[::2], rows[1::2]):
         if changed.get("code") == 0 and base.get("code") == 0:
             # steps made over the steps the uninterrupted run makes in the same time (both make --steps)
             changed["efficiency"] = 100 * base["sites_wall_s"] / changed["sites_wall_s"]
-            changed["training_share"] = 100 * (1 - changed.get("not_training_s", 0.0) / changed["sites_wall_s"])
+            if "not_training_s" in changed:
+                changed["training_share"] = 100 * (1 - changed["not_training_s"] / changed["sites_wall_s"])
             if base.get("val_loss") and changed.get("val_loss"):
                 changed["loss_vs_uninterrupted"] = 100 * (changed["val_loss"] / base["val_loss"] - 1)
 
@@ -414,17 +481,17 @@ def print_churn(args: Any, churn: Churn, rows: list[dict[str, Any]], info: dict[
         ("sites killed (and started again)", "kills", "{}"),
         ("wall-clock s (the tool's, start to end)", "sites_wall_s", "{:.1f}"),
         ("training efficiency, % (uninterrupted wall / this wall)", "efficiency", "{:.1f}"),
-        ("a survivor's seconds not training (restarts; live: waits)", "not_training_s", "{:.1f}"),
+        ("a survivor's s not training (restarts; live: waits; torchft: steps over 2 s)", "not_training_s", "{:.1f}"),
         ("a survivor's share of the wall-clock training, %", "training_share", "{:.1f}"),
         ("final validation loss", "val_loss", "{:.4f}"),
         ("loss vs uninterrupted, %", "loss_vs_uninterrupted", "{:+.2f}"),
         ("survivors' membership_wait_s (most)", "membership_wait_s", "{:.2f}"),
-        ("epochs (live) / resumes (torchrun)", "changes", "{}"),
+        ("epochs (live) / resumes (torchrun) / heals (torchft)", "changes", "{}"),
     ]
     for row in rows:
-        row["changes"] = row["epochs"] if "epochs" in row else len(row.get("resumes", []))
+        row["changes"] = row.get("epochs", row.get("heals", len(row.get("resumes", []))))
     table = [[name, *(cell(row, key, fmt) for row in rows)] for name, key, fmt in spec]
-    print(common.markdown_table(["", "torchrun", "torchrun, churn", "live", "live, churn"], table))
+    print(common.markdown_table(["", *(COLUMNS[row["run"]] for row in rows)], table))
     common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
 
 

@@ -35,6 +35,7 @@ from fabric_multimodel.sites import (
     Drop,
     Join,
     Sites,
+    SitesError,
     SitesResult,
     format_rate,
     main,
@@ -49,6 +50,7 @@ from fabric_multimodel.sites import (
 )
 from fabric_multimodel.sites.cpu import CPU_CONTROLLER
 from fabric_multimodel.sites.network import CONGESTION_CONTROL
+from fabric_multimodel.sites.processes import coordinator_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = str(ROOT / "tests" / "sites_task.py")
@@ -252,6 +254,19 @@ def test_bad_settings_are_one_line_and_exit_2(flags, message, capsys, tmp_path):
     assert exit_code([*(item for pair in settings.items() for item in pair), *extra, "--", script]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert namespaces() == before and not (tmp_path / "run").exists()
+
+
+def test_a_live_run_may_take_another_coordinator_command(tmp_path):
+    """A peer's coordinator (torchft's Lighthouse, in benchmarks/elastic.py) runs where ours would, on the port the
+    sites are given; other launchers have no coordinator to replace."""
+    net = Sites(3, None)
+    command = coordinator_command(net, 29400, ["lighthouse", "--bind", "[::]:{port}"])
+    assert command == [*net.exec_prefix(2), "lighthouse", "--bind", "[::]:29400"]
+    assert coordinator_command(net, 29400)[-4:] == ["-m", "fabric_multimodel.coordinator", "--port", "29400"]
+    before = namespaces()
+    with pytest.raises(SitesError, match="a coordinator command needs the live launcher"):
+        run_sites(TASK, sites=2, devices=1, bandwidth=None, out=tmp_path / "run", coordinator=["lighthouse"])
     assert namespaces() == before and not (tmp_path / "run").exists()
 
 

@@ -130,16 +130,11 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def coordinator_command(sites: Sites, port: int) -> list[str]:
-    """``--live``: the coordinator, in the last namespace (a host of its own, outside every site)."""
-    return [
-        *sites.exec_prefix(sites.count - 1),
-        sys.executable,
-        "-m",
-        "fabric_multimodel.coordinator",
-        "--port",
-        str(port),
-    ]
+def coordinator_command(sites: Sites, port: int, command: Sequence[str] | None = None) -> list[str]:
+    """``--live``: the coordinator, in the last namespace (a host of its own, outside every site): ``python -m
+    fabric_multimodel.coordinator``, or ``command`` with ``{port}`` replaced."""
+    default = [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", "{port}"]
+    return [*sites.exec_prefix(sites.count - 1), *(arg.replace("{port}", str(port)) for arg in command or default)]
 
 
 class Launcher:

@@ -207,6 +207,7 @@ def run_sites(
     stream: bool = True,
     port: int = 29500,
     max_restarts: int = 3,
+    coordinator: Sequence[str] | None = None,
 ) -> SitesResult:
     """Run ``script args`` as ``sites`` nodes of ``devices`` processes, each site in its own namespace behind a
     link of ``bandwidth`` (``"100mbit"``, bits/s, or None/"none": unlimited) each way, and return what happened.
@@ -223,7 +224,9 @@ def run_sites(
     runs/x/site{site}``: a folder per site, as sites without a shared disk have). ``launcher="live"``: every site
     is a ``fabric run`` world of its own, and the coordinator (``python -m fabric_multimodel.coordinator``) runs
     in a namespace of its own behind the same kind of link; the script gets ``--coordinator ADDRESS:PORT --site
-    S`` after ``args``; any site may be dropped, and ``churn`` drops them in turn.
+    S`` after ``args``; any site may be dropped, and ``churn`` drops them in turn. ``coordinator``: another
+    coordinator's command for live runs (``{port}`` becomes the port the sites are given), such as a peer's
+    (torchft's Lighthouse, ``benchmarks/elastic.py``).
 
     Example::
 
@@ -243,6 +246,8 @@ def run_sites(
             join.check(sites, launcher, drop)
         if churn is not None:
             churn.check(launcher, drop, join, sites)
+        if coordinator is not None and launcher != "live":
+            raise SitesError("a coordinator command needs the live launcher (--launcher live)")
         cpu = dict(cpu or {})
         for site, share in cpu.items():
             check_share(site, share, sites)
@@ -270,11 +275,11 @@ def run_sites(
                 prefix = limits[r].prefix() if r in limits else []
                 commands.append([*prefix, *site_command(launcher, script, own, site=r, **options)])
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
-            coordinator = None
+            host = None  # the coordinator's launcher
             if launcher == "live":
-                command = coordinator_command(net, port)
-                coordinator = Launcher(sites, command, environment, folder, echo=False, name="coordinator")
-            run = _Run(net, launchers, coordinator, churn.order(launcher, sites) if churn else ())
+                command = coordinator_command(net, port, coordinator)
+                host = Launcher(sites, command, environment, folder, echo=False, name="coordinator")
+            run = _Run(net, launchers, host, churn.order(launcher, sites) if churn else ())
             try:
                 run.watch(drop, join, timeout, say, churn)
             finally:
