@@ -18,7 +18,9 @@ torchft replica would wait for a quorum that never comes.
 
 It ends with ``final: steps=... val_loss=... val_bpb=... wall_s=... commits=... heals=... stalled_s=...
 process_start=...``; ``stalled_s``: the seconds of this process's steps that took over ``STALL_S`` (a lost peer's
-timeout, a quorum that waits, a heal): its seconds not training, as near as torchft lets one tell.
+timeout, a quorum that waits, sending a joiner the state) once it has taken part in a round: its seconds not
+training, as near as torchft lets one tell (its own start and heal are not counted, as live membership's
+``membership_wait_s`` leaves out its own admission).
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def main() -> int:
             pin_memory=False, fragment_sync_delay=args.overlap_steps, fragment_update_alpha=0.5,
         ):  # fmt: skip
             while progress["step"] < args.steps:
-                tick = time.perf_counter()
+                tick, member = time.perf_counter(), manager.current_step() > 0  # after its first round (or heal)
                 progress["step"] += 1
                 step = progress["step"]
                 for group in inner.param_groups:
@@ -168,7 +170,7 @@ def main() -> int:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 inner.step()  # DiLoCo's hook runs the rounds: quorum, heal, allreduce, commit
                 took = time.perf_counter() - tick
-                stalled += took if took > STALL_S else 0.0
+                stalled += took if took > STALL_S and member else 0.0
                 if step % args.log_every == 0:
                     print(f"step {step}/{args.steps} loss={loss.item():.3f} commits={manager.current_step()}")
     except Exception as error:  # a quorum that never comes once the others have ended
