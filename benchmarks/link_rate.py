@@ -11,7 +11,10 @@ between two rounds of training:
   uint8 codes and scales, as point-to-point messages on gloo);
 - ``fp8, gloo collectives``: the same bytes through gloo's own all-to-all and all-gather, as the rounds sent
   them before (for comparison);
-- ``fp8 bytes, one way``: as many bytes from site 0 to site 1 and nothing back, the link's own figure.
+- ``fp8 bytes, one way``: as many bytes from site 0 to site 1 and nothing back, the link's own figure;
+- ``fp8 bytes, both ways``: as many bytes from each site to the next at once (each to the one after it, round the
+  sites), as an exchange loads the link: each way carries data and the other way's acknowledgements, so this is
+  the floor a round's exchange can reach on the link, with no library in it.
 
 ``ratio`` = the slowest site's median round / (the bytes each site sends / the nominal rate): a ring allreduce
 and the quantized all-to-all plus all-gather each send ``2 (S - 1) / S`` of the payload's bytes; beside it the
@@ -41,7 +44,7 @@ from benchmarks import common  # noqa: E402
 
 NAME = "link_rate"
 LM_ELEMENTS = 218_416  # examples/lm_fabric.py at its defaults
-PAYLOADS = ("fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", "fp8 bytes, one way")
+PAYLOADS = ("fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", "fp8 bytes, one way", "fp8 bytes, both ways")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -63,12 +66,18 @@ def worker(args: argparse.Namespace) -> None:
 
     share = 2 * (world - 1) / world
     one_way_bytes = torch.zeros(int(fp8.traffic.bytes * share), dtype=torch.uint8)
+    arriving = torch.zeros_like(one_way_bytes)
 
     def one_way() -> None:
         if rank == 0:
             dist.send(one_way_bytes, 1)
         elif rank == 1:
             dist.recv(one_way_bytes, 0)
+
+    def both_ways() -> None:
+        work = [dist.irecv(arriving, (rank - 1) % world), dist.isend(one_way_bytes, (rank + 1) % world)]
+        for w in work:
+            w.wait()
 
     def gloo_collectives() -> None:
         dist.all_to_all_single(received, codes)
@@ -81,6 +90,7 @@ def worker(args: argparse.Namespace) -> None:
         "fp4": (lambda: fp4.all_reduce_mean(x.clone()), fp4.traffic.bytes * share),
         "fp8, gloo collectives": (gloo_collectives, fp8.traffic.bytes * share),
         "fp8 bytes, one way": (one_way, fp8.traffic.bytes * share),
+        "fp8 bytes, both ways": (both_ways, fp8.traffic.bytes * share),
     }
     found = {}
     for name, (round_, sent) in rounds.items():

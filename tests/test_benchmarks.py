@@ -359,8 +359,10 @@ def test_link_rate_quick(tmp_path):
     stdout = run_script("link_rate", tmp_path)
     (table,) = markdown_tables(stdout)
     rows = {row["payload"]: row for row in read_csv(tmp_path / "link_rate.csv")}
-    assert list(rows) == ["fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", "fp8 bytes, one way"]
+    raw = ["fp8 bytes, one way", "fp8 bytes, both ways"]
+    assert list(rows) == ["fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", *raw]
     sent = {name: int(row["sent_bytes"]) for name, row in rows.items()}
+    assert sent["fp8 bytes, both ways"] == sent["fp8 bytes, one way"]
     assert sent["fp32"] == 4 * 20_000 and sent["bf16"] == 2 * 20_000  # 2 sites: a ring sends the payload once
     assert sent["fp8"] == sent["fp8, gloo collectives"] == sent["fp8 bytes, one way"] < 0.27 * sent["fp32"]
     assert sent["fp4"] < 0.55 * sent["fp8"]
