@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from lm_fabric import ByteLM, Stream, load_corpus, loss_of, validation_batches  # noqa: E402
+from lm_fabric import ByteLM, Stream, learning_rate, load_corpus, loss_of, validation_batches  # noqa: E402
 
 from fabric_multimodel.progress import process_started  # noqa: E402
 
@@ -63,15 +63,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the Lighthouse")
     p.add_argument("--site", required=True)
     return p.parse_args(argv)
-
-
-def learning_rate(step: int, args: argparse.Namespace) -> float:
-    """The LM example's schedule: a linear warm-up over 5% of the steps, then a cosine decay to 10%."""
-    warmup = max(1, int(0.05 * args.steps))
-    if step <= warmup:
-        return args.lr * step / warmup
-    done = min((step - warmup) / max(1, args.steps - warmup), 1.0)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
 
 
 def own_address(coordinator: str) -> str:
@@ -163,7 +154,7 @@ def main() -> int:
                 progress["step"] += 1
                 step = progress["step"]
                 for group in inner.param_groups:
-                    group["lr"] = learning_rate(step, args)
+                    group["lr"] = learning_rate(step, args, args.steps)
                 loss = loss_of(model, stream.next_batch(args.batch_size))
                 inner.zero_grad()
                 loss.backward()
