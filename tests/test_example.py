@@ -13,8 +13,9 @@ import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -134,30 +135,34 @@ def metrics_rows(out: Path) -> list[dict[str, str]]:
 
 LOCAL_SGD = ["--period", "4", "--warmup-steps", "10", "--checkpoint-every", "0"]  # a periodic checkpoint adds a round
 LOCAL_WORLD = 2
+SHARDED = ["--period", "4", "--warmup-steps", "4", "--checkpoint-every", "0", "--shard", "node", "--checkpoint-rounds"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
-    """By `fabric run`: a synchronous run of 30 steps in 4 processes (the README's command), and meanwhile a local-SGD
-    run of 40 steps in 2 and its resume to 80 (every process costs seconds of imports on 2 cores)."""
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """By `fabric run`, at once (every process costs seconds of imports on 2 cores, mostly on one): a synchronous run
+    of 30 steps in 4 processes (the README's command); a local-SGD run of 40 steps in 2 and its resume to 80; and
+    the sharded run and its resume (``sharded_runs``)."""
     sync = start(tmp_path_factory.mktemp("sync"), "--steps", "30", "--log-every", "10")
     try:
-        local = train(tmp_path_factory.mktemp("period"), "--steps", "40", *LOCAL_SGD, devices=LOCAL_WORLD)
-        resume = ["--steps", "80", *LOCAL_SGD, "--resume", str(local.out / "checkpoint.pt")]
-        resumed = train(tmp_path_factory.mktemp("resumed"), *resume, devices=LOCAL_WORLD)
-        return {"sync": finish(sync), "local": local, "resumed": resumed}
+        with ThreadPoolExecutor(1) as pool:
+            sharded = pool.submit(sharded_pair, tmp_path_factory.mktemp("sharded"))
+            local = train(tmp_path_factory.mktemp("period"), "--steps", "40", *LOCAL_SGD, devices=LOCAL_WORLD)
+            resume = ["--steps", "80", *LOCAL_SGD, "--resume", str(local.out / "checkpoint.pt")]
+            resumed = train(tmp_path_factory.mktemp("resumed"), *resume, devices=LOCAL_WORLD)
+            return {"sync": finish(sync), "local": local, "resumed": resumed, "sharded": sharded.result()}
     finally:
         if sync[1].poll() is None:  # something above failed
             stop_process_tree(sync[1])
 
 
 @pytest.fixture(scope="module")
-def sync_run(runs: dict[str, Run]) -> Run:
+def sync_run(runs: dict[str, Any]) -> Run:
     return runs["sync"]
 
 
 @pytest.fixture(scope="module")
-def local_sgd_run(runs: dict[str, Run]) -> Run:
+def local_sgd_run(runs: dict[str, Any]) -> Run:
     return runs["local"]
 
 
@@ -215,7 +220,7 @@ def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Ru
     assert final["per_iter"] < sync_run.final["per_iter"]
 
 
-def test_resume_continues_to_the_total_steps(local_sgd_run: Run, runs: dict[str, Run]) -> None:
+def test_resume_continues_to_the_total_steps(local_sgd_run: Run, runs: dict[str, Any]) -> None:
     resumed = runs["resumed"]
     final = resumed.final
     assert final["steps"] == 80
@@ -230,16 +235,16 @@ def test_resume_continues_to_the_total_steps(local_sgd_run: Run, runs: dict[str,
     assert torch.load(resumed.out / "checkpoint.pt", weights_only=True)["step"] == 80
 
 
-SHARDED = ["--period", "4", "--warmup-steps", "4", "--checkpoint-every", "0", "--shard", "node", "--checkpoint-rounds"]
+def sharded_pair(out: Path) -> tuple[Run, Run]:
+    """--shard node in one node of 2 processes (FSDP2 over both, rounds across the one node): 12 steps, then
+    --resume FOLDER (the checkpoint folder given) to 16. (--resume auto with FSDP2 sites: test_sites.)"""
+    first = train(out, "--steps", "12", *SHARDED, devices=2)
+    return first, train(out, "--steps", "16", *SHARDED, "--resume", str(out / "checkpoint"), devices=2)
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Run]:
-    """--shard node in one node of 2 processes (FSDP2 over both, rounds across the one node): 12 steps, then
-    --resume FOLDER (the checkpoint folder given) to 16. (--resume auto with FSDP2 sites: test_sites.)"""
-    out = tmp_path_factory.mktemp("sharded")
-    first = train(out, "--steps", "12", *SHARDED, devices=2)
-    return first, train(out, "--steps", "16", *SHARDED, "--resume", str(out / "checkpoint"), devices=2)
+def sharded_runs(runs: dict[str, Any]) -> tuple[Run, Run]:
+    return runs["sharded"]
 
 
 def test_both_models_shard_with_fsdp2_and_resume_from_their_folder(sharded_runs: tuple[Run, Run]) -> None:
@@ -328,12 +333,20 @@ def fabric_run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_fabric_run_takes_its_flags_anywhere_and_a_failure_ends_on_the_one_line(tmp_path: Path) -> None:
-    # What the README says: `fabric run` reads --devices wherever it stands, also after the script path...
-    proc = fabric_run("--devices", "1", SCRIPT, "--devices", "2", "--steps", "3", "--out", str(tmp_path / "a"))
+    # What the README says: `fabric run` reads --devices wherever it stands, also after the script path (a); after
+    # `--` the flag reaches the script, which refuses it (b). Both at once: each mostly imports, on one core.
+    with ThreadPoolExecutor(2) as pool:
+        anywhere = pool.submit(
+            fabric_run, "--devices", "1", SCRIPT, "--devices", "2", "--steps", "3", "--out", str(tmp_path / "a")
+        )
+        refused = pool.submit(
+            fabric_run, "--devices", "1", SCRIPT, "--", "--devices", "2", "--out", str(tmp_path / "b")
+        )
+        proc = anywhere.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "comm: ddp_bytes=0 " not in proc.stdout  # two processes, communicating
-    # ... and after `--` the flag reaches the script, which refuses it: the last line of the screen says why.
-    proc = fabric_run("--devices", "1", SCRIPT, "--", "--devices", "2", "--out", str(tmp_path / "b"))
+    # The last line of the screen says why the script refused it.
+    proc = refused.result()
     assert proc.returncode != 0
     last = [line for line in proc.stderr.strip().splitlines() if line.strip("= ")][-1]
     assert last.strip() == (

@@ -20,8 +20,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -326,30 +328,37 @@ def formed_after(result: SitesResult) -> float:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | dict]:
     """Three rounds of runs, by what they need from the machine.
 
-    1. Alone: 2 allreduces of 2 MiB, unlimited. How long its world takes to form tells the run that drops a
-       site how slow this machine is right now.
-    2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): a run whose
-       site 1 exits 3, two runs of the tool as a process, sent SIGTERM and SIGINT, the allreduces between
-       2 processes of one site behind 1 mbit, and a run that times out after 3 s.
-    3. Alone: the 2 allreduces at 20 mbit; then the task loops until site 1 is dropped, well after that. Then
-       a busy loop on both sites, site 1 at half a core.
+    1. Alone: 2 allreduces of 2 MiB, unlimited. How long its world takes to form tells the later rounds how slow
+       this machine is right now.
+    2. At once (they mostly import and wait; torchrun sites start faster than `fabric run`'s): a run whose site 1
+       exits 3, two runs of the tool as a process, sent SIGTERM and SIGINT, the allreduces between 2 processes of
+       one site behind 1 mbit, and a run that times out after 3 s.
+    3. At once (they mostly wait: on the link, on torch elastic's rendezvous), timed from the first run's start-up:
+       the 2 allreduces at 20 mbit, then the task loops until site 1 is dropped; torchrun agents whose site 1 is
+       dropped and started again (``elastic``); torchrun agents whose site 1, at half a core, joins late
+       (``joined``).
     """
     allreduces, base = ["--reps", "2", "--bytes", str(2 * MIB)], tmp_path_factory.mktemp("runs")
     results: dict[str, SitesResult | dict] = {"unlimited": run_task(base / "unlimited", *allreduces)}
     failing, behind_1mbit = ["--fail-node", "1", "--code", "3"], {"bandwidth": "1mbit", "launcher": "torchrun"}
     forever = ["--until", str(time.time() + 600)]
-    jobs = {
-        "failing": lambda: run_task(base / "failing", *failing, launcher="torchrun", max_restarts=0),
-        "single": lambda: run_task(base / "single", *allreduces, sites=1, devices=2, **behind_1mbit),
-        "timeout": lambda: run_task(base / "timeout", *forever, launcher="torchrun", timeout=3),
+    results |= at_once(
+        failing=lambda: run_task(base / "failing", *failing, launcher="torchrun", max_restarts=0),
+        single=lambda: run_task(base / "single", *allreduces, sites=1, devices=2, **behind_1mbit),
+        timeout=lambda: run_task(base / "timeout", *forever, launcher="torchrun", timeout=3),
         **{sig.name: functools.partial(signal_the_tool, base / sig.name, sig) for sig in SIGNALS},
-    }
+    )
+    formed = formed_after(results["unlimited"])
+    at = round(1.5 * formed + 6)  # the allreduces take 1.7 s on the link
+    limited = functools.partial(run_task, base / "limited", *allreduces, *forever, bandwidth="20mbit", drop=Drop(1, at))
+    later = at_once(limited=limited, elastic=lambda: elastic_run(base, formed), joined=lambda: join(base))
+    return results | later
+
+
+def at_once(**jobs: Callable[[], Any]) -> dict[str, Any]:
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
-        results.update({name: future.result() for name, future in futures.items()})
-    at = round(1.5 * formed_after(results["unlimited"]) + 6)  # the allreduces take 1.7 s on the link
-    results["limited"] = run_task(base / "limited", *allreduces, *forever, bandwidth="20mbit", drop=Drop(1, at))
-    return results
+        return {name: future.result() for name, future in futures.items()}
 
 
 def allreduce_seconds(result: SitesResult) -> float:
@@ -619,30 +628,36 @@ def test_a_sharded_run_resumes_from_its_sites_folders(examples, name):
 # --- torchrun: elastic agents, a site lost and back ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def elastic(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
+def elastic_run(base: Path, formed: float) -> SitesResult:
     """torchrun agents on 2 sites; site 1 is dropped once the world runs and started again once site 0 runs
     alone. The task loops until shortly after the drop, in the full world only: a smaller world goes on until
     torch elastic restarts it into a larger one, and the last world ends after a few rounds. The times scale
-    with how long the first run's world took to form (torchrun's start about half of `fabric run`'s)."""
-    formed = formed_after(runs["unlimited"])
-    at = round(max(8.0, 0.75 * formed + 3))
+    with how long the first run's world took to form (torchrun's start about half of `fabric run`'s, and two
+    other runs start beside it)."""
+    at = round(max(10.0, 1.5 * formed + 3))
     back = round(at + 9 + 0.25 * formed)  # a world of 1 forms ~8 s after the drop: heartbeats, last call, start
     until = time.time() + at + 4
-    out = tmp_path_factory.mktemp("elastic") / "run"
-    return run_task(out, "--until", str(until), "--world", "2", launcher="torchrun", drop=Drop(1, at, back))
+    flags = ["--until", str(until), "--world", "2"]
+    return run_task(base / "elastic", *flags, launcher="torchrun", drop=Drop(1, at, back))
+
+
+def join(base: Path) -> SitesResult:
+    """torchrun agents on 2 sites; site 1 starts only once site 0's world of 1 runs: a new site joining, and a
+    slower one (half a core), its busy loop timed in the world of 2."""
+    # Site 0 alone forms a world of 1 after its start and the last call, later while other runs start beside it.
+    join = Join(1, at=1.0, seen="start: world=1")
+    flags = ["--until", str(time.time() + 5), "--world", "2", "--spin", "1.5"]
+    return run_task(base / "joined", *flags, launcher="torchrun", join=join, cpu={1: 0.5})
 
 
 @pytest.fixture(scope="module")
-def joined(runs: dict[str, SitesResult], tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
-    """torchrun agents on 2 sites; site 1 starts only once site 0's world of 1 runs: a new site joining, and a
-    slower one (half a core), its busy loop timed in the world of 2."""
-    formed = formed_after(runs["unlimited"])
-    at = round(max(6.0, 0.75 * formed + 3))  # site 0 alone forms a world of 1 after its start and the last call
-    until = time.time() + at + 4
-    out = tmp_path_factory.mktemp("joined") / "run"
-    flags = ["--until", str(until), "--world", "2", "--spin", "1.5"]
-    return run_task(out, *flags, launcher="torchrun", join=Join(1, at), cpu={1: 0.5})
+def elastic(runs: dict[str, SitesResult | dict]) -> SitesResult:
+    return runs["elastic"]
+
+
+@pytest.fixture(scope="module")
+def joined(runs: dict[str, SitesResult | dict]) -> SitesResult:
+    return runs["joined"]
 
 
 def test_torchrun_a_site_that_joins_late_grows_the_world(joined):

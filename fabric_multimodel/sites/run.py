@@ -114,10 +114,12 @@ class Drop:
 @dataclass(frozen=True)
 class Join:
     """Start site ``site`` only ``at`` seconds after the others: a new site joining a run under way (torchrun's
-    elastic agents, whose worlds grow when it arrives)."""
+    elastic agents, whose worlds grow when it arrives). With ``seen``, the start waits until site 0's output holds
+    that text too: a join at a point of the run's own, on a machine whose speed varies."""
 
     site: int
     at: float
+    seen: str | None = None
 
     def check(self, sites: int, launcher: str, drop: Drop | None) -> None:
         """Raise ``SitesError`` unless this join fits a run of ``sites`` sites started by ``launcher``."""
@@ -350,7 +352,13 @@ class _Run:
                 self._drop(drop, now, say)
             if churn is not None and failed_at is None:
                 self._churn(churn, now, say)
-            if join is not None and self.joined_at is None and now >= join.at and failed_at is None:
+            if (
+                join is not None
+                and self.joined_at is None
+                and now >= join.at
+                and failed_at is None
+                and _holds(self.sites[0].logs[0], join.seen)
+            ):
                 self.joined_at = now
                 self.sites[join.site].start()
                 say(f"sites: site {join.site} joined at {now:.1f} s")
