@@ -140,17 +140,22 @@ SHARDED = ["--period", "4", "--warmup-steps", "4", "--checkpoint-every", "0", "-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """By `fabric run`, at once (every process costs seconds of imports on 2 cores, mostly on one): a synchronous run
-    of 30 steps in 4 processes (the README's command); a local-SGD run of 40 steps in 2 and its resume to 80; and
-    the sharded run and its resume (``sharded_runs``)."""
+    """The example's runs, at once (every process costs seconds of imports on 2 cores, mostly on one): by `fabric
+    run`, a synchronous run of 30 steps in 4 processes (the README's command), a local-SGD run of 40 steps in 2 and
+    its resume to 80, and the sharded run and its resume (``sharded_runs``); 10 steps in 2 processes by torchrun;
+    20 steps in 2 processes the script starts itself."""
     sync = start(tmp_path_factory.mktemp("sync"), "--steps", "30", "--log-every", "10")
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(3) as pool:
             sharded = pool.submit(sharded_pair, tmp_path_factory.mktemp("sharded"))
+            torchrun = pool.submit(torchrun_run, tmp_path_factory.mktemp("torchrun"))
+            own = tmp_path_factory.mktemp("python")
+            python = pool.submit(train, own, "--steps", "20", devices=2, launcher="python")
             local = train(tmp_path_factory.mktemp("period"), "--steps", "40", *LOCAL_SGD, devices=LOCAL_WORLD)
             resume = ["--steps", "80", *LOCAL_SGD, "--resume", str(local.out / "checkpoint.pt")]
             resumed = train(tmp_path_factory.mktemp("resumed"), *resume, devices=LOCAL_WORLD)
-            return {"sync": finish(sync), "local": local, "resumed": resumed, "sharded": sharded.result()}
+            later = {"sharded": sharded.result(), "torchrun": torchrun.result(), "python": python.result()}
+            return {"sync": finish(sync), "local": local, "resumed": resumed, **later}
     finally:
         if sync[1].poll() is None:  # something above failed
             stop_process_tree(sync[1])
@@ -259,8 +264,8 @@ def test_both_models_shard_with_fsdp2_and_resume_from_their_folder(sharded_runs:
     assert resumed.final["steps"] == 16 and resumed.final["rounds"] == 2 + expected_rounds(12, 16, 4, 4) == 3
 
 
-def test_script_launches_its_own_processes(tmp_path: Path) -> None:
-    result = train(tmp_path, "--steps", "20", devices=2, launcher="python")
+def test_script_launches_its_own_processes(runs: dict[str, Any]) -> None:
+    result = runs["python"]
     assert result.final["steps"] == 20
     assert result.final["comm"] > 0
 
@@ -355,19 +360,25 @@ def test_fabric_run_takes_its_flags_anywhere_and_a_failure_ends_on_the_one_line(
     ), proc.stderr[-2000:]
 
 
-def test_torchrun_processes_form_one_world(tmp_path: Path) -> None:
+def torchrun_run(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-    proc = run([*cmd, SCRIPT, "--steps", "10", "--out", str(tmp_path)])
+    return run([*cmd, SCRIPT, "--steps", "10", "--out", str(out)]), out
+
+
+def test_torchrun_processes_form_one_world(runs: dict[str, Any], example, capsys) -> None:
+    proc, out = runs["torchrun"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert sum(line.startswith("final:") for line in lines) == 1, proc.stdout  # one world, rank 0 reports
-    params = model_bytes(torch.load(tmp_path / "checkpoint.pt", weights_only=True))
+    params = model_bytes(torch.load(out / "checkpoint.pt", weights_only=True))
     assert float(FINAL.match(lines[-1])["comm"]) == 10 * params  # each step's gradients crossed the world
-    # A second run into the same folder is refused: it would write over the first run's checkpoint.
-    again = run([*cmd, SCRIPT, "--steps", "10", "--out", str(tmp_path)])
-    assert again.returncode != 0
-    assert f"{tmp_path} holds an earlier run's checkpoint.pt; continue it with --resume" in again.stderr
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 10
+    # A second run into the same folder is refused as its flags are read (every rank, before any collective): it
+    # would write over the first run's checkpoint.
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(["--steps", "10", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert f"{out} holds an earlier run's checkpoint.pt; continue it with --resume" in capsys.readouterr().err
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 10
 
 
 def test_resuming_says_when_nothing_is_left_and_when_the_world_changed(
