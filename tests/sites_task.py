@@ -5,7 +5,7 @@ from torchrun's environment. Every rank prints ``start: world=W rank=R node=N re
 then, as the flags say:
 
 - ``--reps K --bytes N``: times K allreduces of an N-byte float32 tensor (after one that connects every
-  pair); rank 0 prints ``allreduce: world=W bytes=N reps=K seconds=T``.
+  pair); rank 0 prints ``allreduce: world=W bytes=N reps=K seconds=T``, every other rank ``allreduced: rank=R``.
 - ``--until EPOCH``: allreduces a small tensor every 50 ms until then (rank 0 decides, so that every rank
   stops after the same round, and always after a few rounds). ``--world W``: a smaller world keeps going
   until torch elastic restarts it into a larger one, as a job that waits for its lost site would.
@@ -105,6 +105,8 @@ def main() -> None:
         seconds = timed_allreduces(args.bytes, args.reps)
         if rank == 0:
             say(f"allreduce: world={world} bytes={args.bytes} reps={args.reps} seconds={seconds:.4f}")
+        else:
+            say(f"allreduced: rank={rank}")  # what a drop after the timed allreduces waits for
     rounds = loop(args.until, args.world)
     if rank == 0:
         say(f"final: world={world} rounds={rounds}")
