@@ -6,8 +6,10 @@ Two tables, from ``fabric_multimodel.cost_model`` alone (no measurement, no torc
    needs for 50 / 80 / 90 / 95 / 99% compute utilisation, beside what the model gives under the paper's
    assumptions (``--assumptions paper``: rounds during the backward, a bucket per layer, a ring of two, no scales).
 2. What this library's own rounds need for 90 / 95 / 99% (rounds after the step, overlapped by whole steps,
-   fp8 and fp4 with their block scales), beside the paper's rows; and what the link of each process must carry
-   when a site of 8 processes (islands) gives each its own network card.
+   fp8 and fp4 with their block scales), beside the paper's rows; what the link of each process must carry
+   when a site of 8 processes (islands) gives each its own network card; and the fp8 rounds when one of the two
+   sites runs at half speed, each site making the period's steps (``pace="steps"``) or the steps its speed allows
+   (``pace="speed"``).
 
 Usage::
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fabric_multimodel.cost_model import LIBRARY, Assumptions, Setting, bandwidth_for, paper  # noqa: E402
+from fabric_multimodel.cost_model import LIBRARY, Assumptions, Setting, bandwidth_for, paced, paper  # noqa: E402
 
 NAME = "scale"
 #: Streaming DiLoCo, Table 4: Gbit/s for 50 / 80 / 90 / 95 / 99% compute utilisation; H = 100, fragments of 3
@@ -50,6 +52,8 @@ PUBLISHED = {
     },
 }
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
+#: Two sites, the second at half the first's speed (steps per second).
+HALF_SPEED = (1.0, 0.5)
 
 
 def paper_settings(params: float, layers: int, step_s: float) -> dict[str, Setting]:
@@ -110,7 +114,20 @@ def library_table() -> list[list[str]]:
             cells = [f"{gbits(setting, target):.3g}" for target in TARGETS[2:]]
             per_card = gbits(setting, 0.95) / 8
             rows.append([f"{params / 1e9:g}B", method, *cells, f"{per_card:.3g}"])
+            if method.endswith("overlap 1, fp8"):
+                rows += [[f"{params / 1e9:g}B", *paced_cells(setting, pace)] for pace in ("steps", "speed")]
     return rows
+
+
+def paced_cells(setting: Setting, pace: str) -> list[str]:
+    """The fp8 row with the second of its two sites at half speed: a target the pace cannot reach is ``never``."""
+    waited, share = paced(setting, HALF_SPEED, pace)
+    cells = [
+        f"{gbits(waited, target / share):.3g}" if target < share else f"never (at most {share:.0%})"
+        for target in (*TARGETS[2:], 0.95)
+    ]
+    cells[-1] = f"{float(cells[-1]) / 8:.3g}" if share > 0.95 else "never"
+    return [f'the fp8 row, one site at half speed, pace="{pace}"', *cells]
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:

@@ -13,6 +13,9 @@ What it counts, per site (each site one link of ``rate`` bits per second, each w
   waits for what does not fit in them; synchronous DDP sends the gradients in buckets as the backward frees them
   and waits for what is left at the backward's end. A period of ``H`` steps with ``F`` fragments holds ``F``
   rounds: the utilisation is ``H T / (H T + F wait)``.
+- **Sites of different speeds** (:func:`paced`). With ``pace="steps"`` every site makes ``H`` steps a round, so
+  the rounds wait on the slowest site's steps and the faster ones idle for the difference; with ``pace="speed"``
+  each makes the steps its speed allows in the fastest's time, and only the link's wait is lost.
 
 What it ignores: the warm-up and the end round (a steady state), the optimizer's own time, contention between
 the rounds and the compute for the cores, and what crosses inside a site. :func:`paper` takes instead the
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 #: Elements per block scale of a low-bit payload (the library's :mod:`~fabric_multimodel.quantized` rounds).
@@ -191,6 +194,28 @@ def utilisation(setting: Setting, rate: float | None, assumptions: Assumptions =
     # The link carries one round at a time, and never two: a round that outlasts its overlap is waited for at its
     # merge, and the next fragment's launches at least a step later.
     return compute / (compute + rounds * round_wait(setting, rate, assumptions))
+
+
+def paced(setting: Setting, speeds: Sequence[float], pace: str = "speed") -> tuple[Setting, float]:
+    """Sites that differ in speed: the setting whose steps the rounds wait on, and the share of the sites' compute
+    the run can use. ``speeds``: each site's steps per second (any unit); ``setting.step_s`` is the fastest site's
+    step. Under ``pace="steps"`` every site makes ``period`` steps a round, so a round waits on the slowest site's
+    steps and the others idle for the difference: a share of ``S min(speeds) / sum(speeds)`` for ``S`` sites. Under
+    ``pace="speed"`` each site makes the steps its speed allows in the fastest's time
+    (:mod:`~fabric_multimodel.pacing`), so the share is 1. The run's utilisation is the share times
+    :func:`utilisation` of the setting returned.
+
+    Example::
+
+        paced(Setting(params=1e9, step_s=0.1, period=100), [1.0, 0.5], pace="steps")  # step_s 0.2, a share of 2/3
+    """
+    if pace not in ("steps", "speed"):
+        raise ValueError(f"paced: `pace` must be 'steps' or 'speed', got {pace!r}.")
+    if not speeds or not all(math.isfinite(s) and s > 0 for s in speeds):
+        raise ValueError(f"paced: `speeds` must be positive steps per second, one per site; got {list(speeds)}.")
+    if pace == "speed":
+        return setting, 1.0
+    return setting.replace(step_s=setting.step_s * max(speeds) / min(speeds)), len(speeds) * min(speeds) / sum(speeds)
 
 
 def run_seconds(

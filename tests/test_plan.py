@@ -18,6 +18,7 @@ from fabric_multimodel.cost_model import (
     PAYLOADS,
     Setting,
     bandwidth_for,
+    paced,
     paper,
     recommend,
     round_seconds,
@@ -26,6 +27,7 @@ from fabric_multimodel.cost_model import (
     utilisation,
     wire_bytes,
 )
+from fabric_multimodel.pacing import paced as paced_periods
 from fabric_multimodel.plan import format_bits, main, parse_count
 from fabric_multimodel.report import parse_final_line
 
@@ -159,6 +161,37 @@ def test_overlap_hides_a_round_up_to_its_steps() -> None:
     assert math.isclose(round_wait(setting.replace(overlap_steps=0), rate), 0.25)
 
 
+@given(
+    speeds=st.lists(st.floats(0.05, 20.0), min_size=2, max_size=6),
+    period=st.integers(16, 512),
+    step_s=st.floats(0.01, 5.0),
+)
+def test_sites_of_different_speeds_lose_compute_unless_paced_by_speed(
+    speeds: list[float], period: int, step_s: float
+) -> None:
+    """Paced by steps, every site makes the period's steps in the slowest's time: the faster ones idle for the rest.
+    Paced by speed, each makes what :func:`fabric_multimodel.pacing.paced` gives it in the fastest's time."""
+    setting = Setting(params=1e9, step_s=step_s, period=period, comm_dtype="fp8")
+    waited, share = paced(setting, speeds, pace="steps")
+    slowest_s = step_s * max(speeds) / min(speeds)
+    assert waited.step_s == pytest.approx(slowest_s) and waited.replace(step_s=step_s) == setting
+    could = sum(period * slowest_s / (step_s * max(speeds) / s) for s in speeds)  # each site's steps in that time
+    assert share == pytest.approx(len(speeds) * period / could) and share <= 1 + 1e-12
+    assert paced(setting, speeds, pace="speed") == (setting, 1.0)
+    # By speed, the steps the library's pacing gives each site fill the fastest's time, up to rounding to whole steps.
+    periods = paced_periods(period, [1 / s for s in speeds]).periods
+    assert sum(periods) == pytest.approx(period * sum(speeds) / max(speeds), abs=len(speeds) / 2 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    ("speeds", "pace", "message"),
+    [([1.0, 0.5], "fast", "`pace` must be 'steps' or 'speed'"), ([1.0, 0.0], "steps", "`speeds` must be positive")],
+)
+def test_paced_refuses_a_pace_or_speeds_it_cannot_read(speeds: list[float], pace: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        paced(Setting(params=1e9, step_s=0.1, period=100), speeds, pace)
+
+
 @pytest.mark.parametrize(
     ("text", "count"), [("218496", 218_496), ("1e9", 1e9), ("1.5M", 1.5e6), ("10B", 1e10), ("2k", 2e3)]
 )
@@ -244,3 +277,15 @@ def test_the_scale_benchmark_prints_both_tables(tmp_path: Path) -> None:
     published = sum(len(methods) for methods in PUBLISHED.values())
     assert written.count(" / ") >= published * len(TARGETS)  # every published cell beside the model's
     assert written.count("streaming, overlap 1, fp8") == 3  # fp8, which the paper's table lacks, at each size
+    # A site at half speed: paced by steps, a share of 2/3 reaches no target; paced by speed, the fp8 row's figures.
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line.split("|")[3:] for line in written.splitlines()}
+    for size in ("1B", "10B", "100B"):
+        assert (
+            rows[(size, 'the fp8 row, one site at half speed, pace="speed"')]
+            == rows[(size, "streaming, overlap 1, fp8")]
+        )
+        assert [c.strip() for c in rows[(size, 'the fp8 row, one site at half speed, pace="steps"')]] == [
+            *["never (at most 67%)"] * 3,
+            "never",
+            "",
+        ]
