@@ -122,12 +122,12 @@ def library_table() -> list[list[str]]:
 def paced_cells(setting: Setting, pace: str) -> list[str]:
     """The fp8 row with the second of its two sites at half speed: a target the pace cannot reach is ``never``."""
     waited, share = paced(setting, HALF_SPEED, pace)
-    cells = [
-        f"{gbits(waited, target / share):.3g}" if target < share else f"never (at most {share:.0%})"
-        for target in (*TARGETS[2:], 0.95)
-    ]
-    cells[-1] = f"{float(cells[-1]) / 8:.3g}" if share > 0.95 else "never"
-    return [f'the fp8 row, one site at half speed, pace="{pace}"', *cells]
+
+    def need(target: float, per: int = 1, never: str = f"never (at most {share:.0%})") -> str:
+        return f"{gbits(waited, target / share) / per:.3g}" if target < share else never
+
+    cells = [need(target) for target in TARGETS[2:]]
+    return [f'the fp8 row, one site at half speed, pace="{pace}"', *cells, need(0.95, per=8, never="never")]
 
 
 def markdown(headers: list[str], rows: list[list[str]]) -> str:

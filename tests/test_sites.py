@@ -352,7 +352,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SitesResult | di
     # Site 1 is dropped once its allreduces (1.7 s on the link) are done, however slowly this round starts.
     drop = Drop(1, at=3.0, seen="allreduced:")
     limited = functools.partial(run_task, base / "limited", *allreduces, *forever, bandwidth="20mbit", drop=drop)
-    later = at_once(limited=limited, elastic=lambda: elastic_run(base, formed), joined=lambda: join(base))
+    later = at_once(limited=limited, elastic=lambda: elastic_run(base, formed), joined=lambda: joined_run(base))
     return results | later
 
 
@@ -643,13 +643,13 @@ def elastic_run(base: Path, formed: float) -> SitesResult:
     return run_task(base / "elastic", *flags, launcher="torchrun", drop=Drop(1, at, back))
 
 
-def join(base: Path) -> SitesResult:
+def joined_run(base: Path) -> SitesResult:
     """torchrun agents on 2 sites; site 1 starts only once site 0's world of 1 runs: a new site joining, and a
     slower one (half a core), its busy loop timed in the world of 2."""
     # Site 0 alone forms a world of 1 after its start and the last call, later while other runs start beside it.
-    join = Join(1, at=1.0, seen="start: world=1")
+    late = Join(1, at=1.0, seen="start: world=1")
     flags = ["--until", str(time.time() + 5), "--world", "2", "--spin", "1.5"]
-    return run_task(base / "joined", *flags, launcher="torchrun", join=join, cpu={1: 0.5})
+    return run_task(base / "joined", *flags, launcher="torchrun", join=late, cpu={1: 0.5})
 
 
 @pytest.fixture(scope="module")
