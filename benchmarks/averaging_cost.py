@@ -47,7 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from fabric_multimodel.launch import run_world  # noqa: E402
+from fabric_multimodel.run.launch import run_world  # noqa: E402
 
 NAME = "averaging_cost"
 OURS = {  # method -> the Averager's options

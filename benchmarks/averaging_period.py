@@ -53,8 +53,8 @@ from benchmarks import (
     common,  # noqa: E402
     site_sweep,  # noqa: E402
 )
-from fabric_multimodel.launch import free_port, stop_process_tree  # noqa: E402
-from fabric_multimodel.report import parse_final_line  # noqa: E402
+from fabric_multimodel.run.launch import free_port, stop_process_tree  # noqa: E402
+from fabric_multimodel.run.report import parse_final_line  # noqa: E402
 from fabric_multimodel.sites import parse_rate, run_sites  # noqa: E402
 
 NAME = "averaging_period"

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: tables, CSV, plots, the command line, progress, timing and profiling.
 
-Worlds are started with :mod:`fabric_multimodel.launch` (shared with the tests).
+Worlds are started with :mod:`fabric_multimodel.run.launch` (shared with the tests).
 
 Every script is run as ``python benchmarks/<name>.py [--quick] [--out DIR]``; it prints markdown to
 stdout, progress to stderr, and writes ``<out>/<name>.csv`` (plus ``<name>.json`` with the machine

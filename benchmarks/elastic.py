@@ -52,7 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from fabric_multimodel.report import parse_final_line  # noqa: E402
+from fabric_multimodel.run.report import parse_final_line  # noqa: E402
 from fabric_multimodel.sites import Churn, Drop, Join, run_sites  # noqa: E402
 
 NAME = "elastic"

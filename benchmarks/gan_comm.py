@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from fabric_multimodel.launch import run_world  # noqa: E402
+from fabric_multimodel.run.launch import run_world  # noqa: E402
 
 NAME = "gan_comm"
 SETTINGS = ("a", "b", "c")

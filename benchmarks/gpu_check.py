@@ -374,7 +374,7 @@ def read_pytest(_: Path | None, stdout: str) -> Reading:
 
 def read_final(stdout: str, keys: list[str], headline: list[str]) -> Reading:
     """An example's ``final:`` line: every value (raw), the ``headline`` ones as figures."""
-    from fabric_multimodel.report import parse_final_line
+    from fabric_multimodel.run.report import parse_final_line
 
     final = parse_final_line(stdout, keys)
     line = next(line for line in reversed(stdout.splitlines()) if line.startswith("final:"))
@@ -543,7 +543,7 @@ def read_environment(found: dict[str, Any]) -> Reading:
 def worlds_step(spec: dict[str, Any]) -> dict[str, Any]:
     """Run :func:`world_checks` in a fresh world of each size; each rank logs as it goes, so a world that hangs
     or dies still tells what it got through."""
-    from fabric_multimodel.launch import run_world
+    from fabric_multimodel.run.launch import run_world
 
     placement = {k: spec[k] for k in ("accelerator", "backend", "share_device") if k in spec}
     worlds = []
@@ -720,7 +720,7 @@ def _all_gather(device: Any, n: int, async_op: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
-    from fabric_multimodel.collectives import all_gather_single
+    from fabric_multimodel.comm.collectives import all_gather_single
 
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered = torch.empty(world * n, dtype=torch.uint8, device=device)
@@ -756,7 +756,7 @@ class Collectives:
     def installed(self) -> Iterator[Collectives]:
         import torch.distributed as dist
 
-        from fabric_multimodel import collectives
+        from fabric_multimodel.comm import collectives
 
         # A payload's all-to-all and all-gather are the library's (point-to-point messages on gloo), the rest torch's.
         ours = ("all_to_all_messages", "all_gather_messages")

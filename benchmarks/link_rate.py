@@ -7,7 +7,7 @@ fp32 elements (the LM example's parameters by default), each after ``--idle`` se
 between two rounds of training:
 
 - ``fp32``, ``bf16``: torch's allreduce of the payload in that dtype, as the rounds send it;
-- ``fp8``, ``fp4``: :class:`~fabric_multimodel.quantized.QuantizedMean` (an all-to-all and an all-gather of
+- ``fp8``, ``fp4``: :class:`~fabric_multimodel.comm.quantized.QuantizedMean` (an all-to-all and an all-gather of
   uint8 codes and scales, as point-to-point messages on gloo);
 - ``fp8, gloo collectives``: the same bytes through gloo's own all-to-all and all-gather, as the rounds sent
   them before (for comparison);
@@ -52,8 +52,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from fabric_multimodel.collectives import all_gather_single
-    from fabric_multimodel.quantized import QuantizedMean
+    from fabric_multimodel.comm.collectives import all_gather_single
+    from fabric_multimodel.comm.quantized import QuantizedMean
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

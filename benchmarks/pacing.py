@@ -26,8 +26,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from fabric_multimodel.pacing import paced_steps  # noqa: E402
-from fabric_multimodel.report import parse_final_line  # noqa: E402
+from fabric_multimodel.averaging.pacing import paced_steps  # noqa: E402
+from fabric_multimodel.run.report import parse_final_line  # noqa: E402
 from fabric_multimodel.sites import run_sites  # noqa: E402
 
 NAME = "pacing"

@@ -3,7 +3,7 @@
 Only :func:`torchft_diloco_round` for now: one synchronisation round of torchft 0.2.0's own
 ``torchft.local_sgd.DiLoCo`` (``sync_every=1``), with its Lighthouse, Manager, quorum and commit
 vote, across the two processes of a 2-rank CPU/gloo world made by
-:func:`fabric_multimodel.launch.join_local_world`.
+:func:`fabric_multimodel.run.launch.join_local_world`.
 
 The benchmark imports this module only when torchft is installed; torchft itself is imported
 inside the function, so importing this file never needs it.

@@ -9,7 +9,7 @@ warm-up; here there is none).
 - **measured**: the floor's mean step over this run's (``iter_ms_mean``: the rounds' waits are in the run's). Both
   means carry the same costs that are no round's (validation, logging): the floor's median against the run's
   mean counted those against the rounds (the floor's mean was 2.5% and 4.8% above its median).
-- **predicted**: ``fabric_multimodel.cost_model.utilisation`` for the LM's parameters, the floor's mean step and
+- **predicted**: ``fabric_multimodel.plan.cost_model.utilisation`` for the LM's parameters, the floor's mean step and
   the setting, at the rate the sites tool measured for the link (what TCP carries of it).
 
 The settings cover 1 and 2 processes per site, 100 / 10 / 1 Mbit/s, fp32 / fp8 / fp4 payloads, 1 and 4
@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, site_sweep  # noqa: E402
-from fabric_multimodel.cost_model import Setting, utilisation  # noqa: E402
-from fabric_multimodel.report import parse_final_line  # noqa: E402
+from fabric_multimodel.plan.cost_model import Setting, utilisation  # noqa: E402
+from fabric_multimodel.run.report import parse_final_line  # noqa: E402
 from fabric_multimodel.sites import run_sites  # noqa: E402
 
 NAME = "plan_check"

@@ -1,6 +1,6 @@
 """What a run needs at 1B, 10B and 100B parameters: the cost model beside the published Streaming DiLoCo simulation.
 
-Two tables, from ``fabric_multimodel.cost_model`` alone (no measurement, no torch work: a second):
+Two tables, from ``fabric_multimodel.plan.cost_model`` alone (no measurement, no torch work: a second):
 
 1. Table 4 of the Streaming DiLoCo paper (Douillard et al. 2025, arXiv 2501.18512), the bandwidth each method
    needs for 50 / 80 / 90 / 95 / 99% compute utilisation, beside what the model gives under the paper's
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fabric_multimodel.cost_model import LIBRARY, Assumptions, Setting, bandwidth_for, paced, paper  # noqa: E402
+from fabric_multimodel.plan.cost_model import LIBRARY, Assumptions, Setting, bandwidth_for, paced, paper  # noqa: E402
 
 NAME = "scale"
 #: Streaming DiLoCo, Table 4: Gbit/s for 50 / 80 / 90 / 95 / 99% compute utilisation; H = 100, fragments of 3

@@ -8,7 +8,7 @@ runs at every bandwidth as S sites of ``--devices`` processes each, one network 
   time times the steps) over this run's wall-clock, warm-up and rounds included.
 - **Wall-clock to target**: the first logged validation loss at or below the target (the synchronous run's
   loss at half its steps, unlimited link), read from the run's ``metrics.csv``; ``not reached`` is an answer.
-- **Cost model**: ``fabric_multimodel.cost_model.run_seconds``, the library's one model (the planner's and
+- **Cost model**: ``fabric_multimodel.plan.cost_model.run_seconds``, the library's one model (the planner's and
   ``period="auto"``'s): the compute at the no-communication iteration time, a flat warm-up's gradients across
   the link, each round's wait beyond its overlap, and the blocking end round, at the measured link rate.
 - **Runs-too-long guard**: a run the model predicts to exceed ``--run-budget`` seconds runs for fewer steps,
@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fabric_multimodel.cost_model import Setting, run_seconds
+from fabric_multimodel.plan.cost_model import Setting, run_seconds
 
 LM_PARAMETER_BYTES = 218_496 * 4  # examples/lm_fabric.py at its defaults, fp32
 RING_PARAMETER_BYTES = 34_179 * 4  # examples/gan_fabric.py's ring GAN, generator and discriminator

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from lm_fabric import ByteLM, Stream, learning_rate, load_corpus, loss_of, validation_batches  # noqa: E402
 
-from fabric_multimodel.progress import process_started  # noqa: E402
+from fabric_multimodel.run.progress import process_started  # noqa: E402
 
 FINISHED = "finished"  # written beside the sites' folders by the first site to end
 STALL_S = 2.0  # a step this long waited on the others: a normal one takes 15-40 ms, a round's wait under 1 s

@@ -14,23 +14,26 @@ from typing import Any, NamedTuple, NoReturn
 
 from lightning.fabric import Fabric
 
-from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, cli, node_groups
-from fabric_multimodel.checkpoints import CheckpointError, same_settings
-from fabric_multimodel.cli import (
+from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, node_groups
+from fabric_multimodel.checkpoints.files import CheckpointError, same_settings
+from fabric_multimodel.checkpoints.resume import restart_count
+from fabric_multimodel.checkpoints.sharded import ResumedSharded
+from fabric_multimodel.membership.membership import RunEnded, site_of
+from fabric_multimodel.run import cli
+from fabric_multimodel.run.cli import (
     add_averager_arguments,
     add_launch_arguments,
+    add_log_arguments,
     add_membership_arguments,
     check_averager_arguments,
     check_launch_arguments,
     check_membership_arguments,
+    configure_logging,
     record_error,
 )
-from fabric_multimodel.elastic import restart_count
-from fabric_multimodel.launch import shutdown, world_shape
-from fabric_multimodel.membership import RunEnded, site_of
-from fabric_multimodel.progress import Progress, StartPhases, transfer_printer
-from fabric_multimodel.report import GradientBytes
-from fabric_multimodel.sharded_checkpoints import ResumedSharded
+from fabric_multimodel.run.launch import shutdown, world_shape
+from fabric_multimodel.run.progress import Progress, StartPhases, transfer_printer
+from fabric_multimodel.run.report import GradientBytes
 
 AUTO = Path("auto")  # --resume auto
 #: --comm-dtype in run folder names.
@@ -38,7 +41,7 @@ LOW_PRECISION = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8
 
 
 def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) -> None:
-    """The library's averaging flags (``fabric_multimodel.cli``), and the examples' layouts and membership."""
+    """The library's averaging flags (``fabric_multimodel.run.cli``), and the examples' layouts and membership."""
     g = add_averager_arguments(p, warmup_steps=warmup_steps)
     g.add_argument(
         "--layout",
@@ -80,11 +83,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-every", type=int, default=None, help="steps between log lines and stop checks (default: 10%% of --steps)"
     )
+    add_log_arguments(p)
     add_launch_arguments(p)
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checks every example makes; every rank runs them before any collective, so a bad flag stops all."""
+    configure_logging(args.log_level)
     if args.layout == "auto":
         # Warm-up never crosses sites by default: synchronous DDP over a slow link cost more than the rest of a
         # run (20 warm-up steps: about 20 s at 10 Mbit/s, minutes at 1 Mbit/s).
@@ -385,7 +390,7 @@ def fail(fabric: Fabric, message: str) -> NoReturn:
 
 def main(run: Callable[[], int | None]) -> None:
     """Run an example's ``run()`` and end the process cleanly: ``run`` returns, its models and the process
-    group go away, and only then does the interpreter exit (see :func:`fabric_multimodel.launch.shutdown`)."""
+    group go away, and only then does the interpreter exit (see :func:`fabric_multimodel.run.launch.shutdown`)."""
     try:
         code = run()
     finally:

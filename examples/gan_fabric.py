@@ -63,11 +63,12 @@ from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fabric_multimodel import Loop, cli, frozen, setup_models
-from fabric_multimodel.cli import Parser
-from fabric_multimodel.progress import Progress, StartPhases
-from fabric_multimodel.report import GradientBytes, final_line, state_bytes
+from fabric_multimodel import Loop, frozen, setup_models
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_modes, ring_quality, sample_ring
+from fabric_multimodel.run import cli
+from fabric_multimodel.run.cli import Parser
+from fabric_multimodel.run.progress import Progress, StartPhases
+from fabric_multimodel.run.report import GradientBytes, final_line, state_bytes
 
 Sampler = Callable[[int, torch.Generator], torch.Tensor]  # (batch size, generator) -> real batch
 EVAL_SAMPLES = 2500

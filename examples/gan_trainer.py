@@ -45,11 +45,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, IterableDataset
 
 from fabric_multimodel import frozen
-from fabric_multimodel.cli import Parser
-from fabric_multimodel.launch import LAUNCHER_FLAGS, launched_by, shutdown, world_shape
 from fabric_multimodel.lightning import ModelAveraging, MultiModelDDPStrategy
-from fabric_multimodel.report import GradientBytes, final_line
 from fabric_multimodel.ring import N_MODES, ring_gan, ring_quality, sample_ring
+from fabric_multimodel.run.cli import Parser
+from fabric_multimodel.run.launch import LAUNCHER_FLAGS, launched_by, shutdown, world_shape
+from fabric_multimodel.run.report import GradientBytes, final_line
 
 EVAL_SAMPLES = 2500
 

@@ -78,10 +78,11 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from torch import nn
 
-from fabric_multimodel import Loop, cli, setup_models
-from fabric_multimodel.cli import Parser
-from fabric_multimodel.progress import Progress, StartPhases
-from fabric_multimodel.report import GradientBytes, final_line, state_bytes
+from fabric_multimodel import Loop, setup_models
+from fabric_multimodel.run import cli
+from fabric_multimodel.run.cli import Parser
+from fabric_multimodel.run.progress import Progress, StartPhases
+from fabric_multimodel.run.report import GradientBytes, final_line, state_bytes
 
 #: The LM's settings a resumed run must share (beyond the examples' common ones).
 SETTINGS = ("context", "clip", "d_model", "layers", "heads", "positions", "tie_weights", "shard")

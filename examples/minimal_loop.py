@@ -17,7 +17,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from fabric_multimodel import Averager, Checkpointer, Loop, Membership, setup_models
-from fabric_multimodel.launch import start_fabric
+from fabric_multimodel.run.cli import configure_logging
+from fabric_multimodel.run.launch import start_fabric
 
 
 def loss_of(model: nn.Module, step: int, rank: int, device: torch.device) -> torch.Tensor:
@@ -31,6 +32,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/minimal", help="checkpoints; a run started again resumes from here")
     p.add_argument("--coordinator", help="HOST:PORT: this world is site $SITE of a run whose sites come and go")
     args = p.parse_args()
+    configure_logging("INFO")  # the library's lines: epochs, joins and losses, resumes
     fabric = start_fabric(Fabric)  # in the world `fabric run`, torchrun or the sites tool made, or one process
     torch.manual_seed(0)
     (model,) = setup_models(fabric, model=nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)))

@@ -17,44 +17,44 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fabric_multimodel.averaging import Averager, Replica
-    from fabric_multimodel.checkpointer import Checkpointer
-    from fabric_multimodel.collectives import Traffic
-    from fabric_multimodel.config import AveragerConfig
-    from fabric_multimodel.frozen import frozen
-    from fabric_multimodel.groups import NodeGroups, node_groups
-    from fabric_multimodel.loop import Loop
-    from fabric_multimodel.membership import Epoch, Membership, RunEnded
-    from fabric_multimodel.models import Models, ddp_of, setup_models
-    from fabric_multimodel.preemption import PreemptionStop
-    from fabric_multimodel.replicas import SyncReport, average_models, replicas_in_sync
-    from fabric_multimodel.rounds import AveragingError, NonFiniteError, PeerError
+    from fabric_multimodel.averaging.averager import Averager, Replica
+    from fabric_multimodel.averaging.config import AveragerConfig
+    from fabric_multimodel.averaging.replicas import SyncReport, average_models, replicas_in_sync
+    from fabric_multimodel.checkpoints.checkpointer import Checkpointer
+    from fabric_multimodel.comm.collectives import Traffic
+    from fabric_multimodel.comm.node_groups import NodeGroups, node_groups
+    from fabric_multimodel.ddp.frozen import frozen
+    from fabric_multimodel.ddp.models import Models, ddp_of, setup_models
+    from fabric_multimodel.membership.membership import Epoch, Membership, RunEnded
+    from fabric_multimodel.rounds.errors import AveragingError, NonFiniteError, PeerError
+    from fabric_multimodel.run.loop import Loop
+    from fabric_multimodel.run.preemption import PreemptionStop
 
 # Each public name and its module, imported on first use: the sites tool (`python -m fabric_multimodel.sites`)
 # needs only the standard library, and must not wait seconds for torch.
 _HOMES = {
-    "Averager": "averaging",
-    "Replica": "averaging",
-    "Checkpointer": "checkpointer",
-    "Traffic": "collectives",
-    "AveragerConfig": "config",
-    "frozen": "frozen",
-    "NodeGroups": "groups",
-    "node_groups": "groups",
-    "Loop": "loop",
-    "Epoch": "membership",
-    "Membership": "membership",
-    "RunEnded": "membership",
-    "Models": "models",
-    "ddp_of": "models",
-    "setup_models": "models",
-    "PreemptionStop": "preemption",
-    "SyncReport": "replicas",
-    "average_models": "replicas",
-    "replicas_in_sync": "replicas",
-    "AveragingError": "rounds",
-    "NonFiniteError": "rounds",
-    "PeerError": "rounds",
+    "Averager": "averaging.averager",
+    "Replica": "averaging.averager",
+    "Checkpointer": "checkpoints.checkpointer",
+    "Traffic": "comm.collectives",
+    "AveragerConfig": "averaging.config",
+    "frozen": "ddp.frozen",
+    "NodeGroups": "comm.node_groups",
+    "node_groups": "comm.node_groups",
+    "Loop": "run.loop",
+    "Epoch": "membership.membership",
+    "Membership": "membership.membership",
+    "RunEnded": "membership.membership",
+    "Models": "ddp.models",
+    "ddp_of": "ddp.models",
+    "setup_models": "ddp.models",
+    "PreemptionStop": "run.preemption",
+    "SyncReport": "averaging.replicas",
+    "average_models": "averaging.replicas",
+    "replicas_in_sync": "averaging.replicas",
+    "AveragingError": "rounds.errors",
+    "NonFiniteError": "rounds.errors",
+    "PeerError": "rounds.errors",
 }
 __all__ = [
     "Averager",

@@ -5,9 +5,9 @@ through a restart of any of them, the first one started included::
 
     python -m fabric_multimodel.coordinator --port 29400
 
-and give each site its address (:class:`~fabric_multimodel.membership.Membership`, the examples'
+and give each site its address (:class:`~fabric_multimodel.Membership`, the examples'
 ``--coordinator HOST:29400``). It is torch's ``TCPStore`` server: the sites' agreements are keys written once
-with ``compare_set`` (see :mod:`fabric_multimodel.membership`), and each epoch's process group meets there.
+with ``compare_set`` (see :mod:`fabric_multimodel.membership.membership`), and each epoch's process group meets there.
 """
 
 from __future__ import annotations

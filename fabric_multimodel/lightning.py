@@ -31,7 +31,7 @@ except ImportError as error:  # the family is optional; say which one this modul
         " fabric_multimodel.pytorch_lightning instead."
     ) from error
 
-from fabric_multimodel.trainer import Averaging, MultiModelDDP
+from fabric_multimodel.trainer.strategy import Averaging, MultiModelDDP
 
 __all__ = ["ModelAveraging", "MultiModelDDPStrategy"]
 

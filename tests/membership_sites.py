@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.collectives import wait_all
-from fabric_multimodel.membership import Membership
+from fabric_multimodel.comm.collectives import wait_all
+from fabric_multimodel.membership.membership import Membership
 
 
 def _leave_abruptly(queue: Any, report: Any) -> None:
@@ -77,8 +77,8 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
     start, their seconds and the state bytes it received or sent. With pace="speed" the loop ends at
     ``local_steps``."""
     from fabric_multimodel import Averager
-    from fabric_multimodel.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
-    from fabric_multimodel.optimizer_state import optimizer_state
+    from fabric_multimodel.comm.collectives import ALL_GATHER_SINGLE, tensors_fingerprint
+    from fabric_multimodel.rounds.optimizer_state import optimizer_state
 
     entries: list[dict[str, int]] = []  # per epoch entered: the collectives its start issued
 
@@ -94,7 +94,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
 
     for kind in ("all_reduce", ALL_GATHER_SINGLE, "broadcast"):
         setattr(dist, kind, counting(kind))
-    from fabric_multimodel.epochs import Epochs
+    from fabric_multimodel.averaging.epochs import Epochs
 
     enter = Epochs._enter_epoch
 
@@ -108,7 +108,7 @@ def averaging_site(address: str, name: str, plan: dict[str, Any], queue: Any) ->
 
     Epochs._enter_epoch = entering  # type: ignore[method-assign]
     if plan.get("receive_delay_s"):  # a slow link to this site: the state it receives arrives that much later
-        import fabric_multimodel.epochs as epochs
+        import fabric_multimodel.averaging.epochs as epochs
 
         relay = epochs.relay_bytes
 

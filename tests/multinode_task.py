@@ -21,8 +21,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fabric_multimodel import Averager, node_groups, setup_models  # noqa: E402
-from fabric_multimodel.collectives import tensors_fingerprint  # noqa: E402
-from fabric_multimodel.launch import shutdown  # noqa: E402
+from fabric_multimodel.comm.collectives import tensors_fingerprint  # noqa: E402
+from fabric_multimodel.run.launch import shutdown  # noqa: E402
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 

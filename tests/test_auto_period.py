@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, AveragerConfig, setup_models
-from fabric_multimodel.auto_period import HEADROOM, TOLERANCE, PeriodChoice, choose_overlap, choose_period
+from fabric_multimodel.averaging.auto_period import HEADROOM, TOLERANCE, PeriodChoice, choose_overlap, choose_period
 from tests.gan import collectives
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)

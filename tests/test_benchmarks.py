@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_multimodel.report import parse_final_line
-from fabric_multimodel.rounds import Header
+from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.run.report import parse_final_line
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT_TIMEOUT_S = 600  # quick modes take ~15-90 s on 2 cores; leave room for a busy CI machine

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from lightning_fabric import Fabric
 from torch import nn
 
-from fabric_multimodel.checkpoints import (
+from fabric_multimodel.checkpoints.files import (
     CheckpointError,
     load_checkpoint,
     load_state,
@@ -23,7 +23,7 @@ from fabric_multimodel.checkpoints import (
     same_settings,
     save_checkpoint,
 )
-from fabric_multimodel.launch import process_context
+from fabric_multimodel.run.launch import process_context
 
 
 def write_forever(path: str, version: int, conn) -> None:

@@ -1,4 +1,4 @@
-"""fabric_multimodel.cli: the averaging flags. Whatever combination the flags' check lets through, the Averager's
+"""fabric_multimodel.run.cli: the averaging flags. Whatever combination the flags' check lets through, the Averager's
 own checks take (a property test over every flag); what it refuses is one line naming a flag. The launch and
 membership flags, and the parser whose errors are one line, also in torch elastic's failure report."""
 
@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel import cli
-from fabric_multimodel.arguments import check_fragments
-from fabric_multimodel.cli import COMM_DTYPES, add_averager_arguments, averager_options, check_averager_arguments
-from fabric_multimodel.config import AveragerConfig
+from fabric_multimodel.averaging.arguments import check_fragments
+from fabric_multimodel.averaging.config import AveragerConfig
+from fabric_multimodel.run import cli
+from fabric_multimodel.run.cli import COMM_DTYPES, add_averager_arguments, averager_options, check_averager_arguments
 
 
 class Refused(Exception):

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_multimodel.checkpoints import CheckpointWriter, read_checkpoint
-from fabric_multimodel.elastic import resume_latest
-from fabric_multimodel.launch import descendants, free_port
-from fabric_multimodel.report import parse_final_line
+from fabric_multimodel.checkpoints.files import CheckpointWriter, read_checkpoint
+from fabric_multimodel.checkpoints.resume import resume_latest
+from fabric_multimodel.run.launch import descendants, free_port
+from fabric_multimodel.run.report import parse_final_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "lm_fabric.py"

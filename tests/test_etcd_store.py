@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel.etcd_store import EtcdStore, endpoints_of
+from fabric_multimodel.membership.etcd_store import EtcdStore, endpoints_of
 
 KEYS = st.sampled_from(["a", "b", "c/d"])
 VALUES = st.sampled_from(["", "1", "x", "yz"])

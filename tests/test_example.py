@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from fabric_multimodel.launch import free_port, stop_process_tree
-from fabric_multimodel.rounds import Header
+from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.run.launch import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/gan_fabric.py"

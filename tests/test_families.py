@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fabric_multimodel import Averager, average_models, frozen, node_groups, replicas_in_sync, setup_models
-from fabric_multimodel.checkpoints import load_checkpoint, save_checkpoint
+from fabric_multimodel.checkpoints.files import load_checkpoint, save_checkpoint
 from tests.gan import collectives, gan_iteration, make_gan
 
 PACKAGES = ["lightning.fabric", "lightning_fabric"]

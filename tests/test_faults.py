@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fabric_multimodel import Averager, NonFiniteError, average_models, replicas_in_sync, setup_models
-from fabric_multimodel.launch import run_world
+from fabric_multimodel.run.launch import run_world
 from tests.gan import mlp
 from tests.worlds import in_step, run_faulty_world
 

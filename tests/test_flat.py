@@ -1,4 +1,4 @@
-"""Flat storage (fabric_multimodel.flat) in one process: tensors re-homed into one buffer per dtype, and parts.
+"""Flat storage (fabric_multimodel.comm.flat) in one process: tensors re-homed into one buffer per dtype, and parts.
 
 Every test takes the ``device`` fixture, so ``--device cuda`` runs them with CUDA tensors.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fabric_multimodel.flat import FlatStorage
+from fabric_multimodel.comm.flat import FlatStorage
 
 
 def tensors_on(device: torch.device) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""fabric_multimodel.launch: worlds' processes come from one fork server that imported torch and Lightning once; a
+"""fabric_multimodel.run.launch: worlds' processes come from one fork server that imported torch and Lightning once; a
 script's world is the launcher's, told from its environment, or its own."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fabric_multimodel.launch import launched_by, run_world, world_shape
+from fabric_multimodel.run.launch import launched_by, run_world, world_shape
 
 
 def origin(fabric) -> tuple[int, int]:

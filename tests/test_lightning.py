@@ -29,9 +29,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_multimodel import frozen, replicas_in_sync
-from fabric_multimodel.launch import free_port
 from fabric_multimodel.ring import ring_quality
-from fabric_multimodel.rounds import Header
+from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "gan_trainer.py"

@@ -8,7 +8,7 @@ import sys
 # One interpreter for every check (each start imports torch). `None` in sys.modules makes an
 # import fail as if the package were not installed.
 SCRIPT = """
-import sys, fabric_multimodel, fabric_multimodel.launch, fabric_multimodel.ring, fabric_multimodel.checkpoints
+import sys, fabric_multimodel, fabric_multimodel.run.launch, fabric_multimodel.ring, fabric_multimodel.checkpoints.files
 print([m for m in sys.modules if m.split('.')[0] in ('lightning', 'lightning_fabric', 'pytorch_lightning')])
 for package in ('lightning', 'lightning.pytorch', 'lightning.fabric', 'lightning_fabric', 'pytorch_lightning'):
     sys.modules[package] = None
@@ -17,7 +17,7 @@ for adapter in ('fabric_multimodel.lightning', 'fabric_multimodel.pytorch_lightn
         __import__(adapter)
     except ImportError as error:
         print(error)
-from fabric_multimodel.families import fabric_package
+from fabric_multimodel.ddp.families import fabric_package
 try:
     fabric_package()
 except ImportError as error:

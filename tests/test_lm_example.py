@@ -25,10 +25,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fabric_multimodel import cli
-from fabric_multimodel.launch import free_port, stop_process_tree
-from fabric_multimodel.report import parse_final_line
-from fabric_multimodel.rounds import Header
+from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.run import cli
+from fabric_multimodel.run.launch import free_port, stop_process_tree
+from fabric_multimodel.run.report import parse_final_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/lm_fabric.py"

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, Replica, replicas_in_sync, setup_models
-from fabric_multimodel.checkpoints import CheckpointWriter, load_checkpoint, replica_path
-from fabric_multimodel.collectives import broadcast_differences, tensors_fingerprint
+from fabric_multimodel.checkpoints.files import CheckpointWriter, load_checkpoint, replica_path
+from fabric_multimodel.comm.collectives import broadcast_differences, tensors_fingerprint
 from tests.gan import collectives, mlp
 from tests.worlds import in_step
 

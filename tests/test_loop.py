@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, Checkpointer, Loop, PreemptionStop, setup_models
-from fabric_multimodel.collectives import tensors_fingerprint
+from fabric_multimodel.comm.collectives import tensors_fingerprint
 from tests.gan import mlp
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)

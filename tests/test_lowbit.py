@@ -16,8 +16,9 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabric_multimodel import Averager, NonFiniteError, collectives, replicas_in_sync, setup_models
-from fabric_multimodel.quantized import relative_error
+from fabric_multimodel import Averager, NonFiniteError, replicas_in_sync, setup_models
+from fabric_multimodel.comm import collectives
+from fabric_multimodel.comm.quantized import relative_error
 from tests.gan import mlp
 from tests.worlds import errors_of, in_step
 

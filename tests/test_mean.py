@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel.rounds import mean_
+from fabric_multimodel.rounds.round import mean_
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_multimodel import Averager
-from fabric_multimodel.collectives import POLL_S, wait_all
-from fabric_multimodel.launch import free_port, process_context
-from fabric_multimodel.membership import Membership, RunEnded, _Decision, coordinator_store, site_of
+from fabric_multimodel.comm.collectives import POLL_S, wait_all
+from fabric_multimodel.membership.membership import Membership, RunEnded, _Decision, coordinator_store, site_of
+from fabric_multimodel.run.launch import free_port, process_context
 from tests.membership_sites import averaging_site, counting_site
 
 _runs = itertools.count()

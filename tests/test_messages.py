@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel.collectives import (
+from fabric_multimodel.comm.collectives import (
     ALL_GATHER_SINGLE,
     Messages,
     all_gather_messages,

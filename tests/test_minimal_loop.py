@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from fabric_multimodel.launch import free_port, stop_process_tree
-from fabric_multimodel.report import parse_final_line
+from fabric_multimodel.run.launch import free_port, stop_process_tree
+from fabric_multimodel.run.report import parse_final_line
 
 ROOT = Path(__file__).resolve().parents[1]
 FABRIC = Path(sys.executable).parent / "fabric"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fabric_multimodel.launch import free_port, stop_process_tree
-from fabric_multimodel.rounds import Header
+from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.run.launch import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 FABRIC = Path(sys.executable).parent / "fabric"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, setup_models
-from fabric_multimodel.optimizer_state import OptimizerStateStorage, optimizer_state
+from fabric_multimodel.rounds.optimizer_state import OptimizerStateStorage, optimizer_state
 from tests.gan import collectives, mlp
 
 OPTIMIZERS = {

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, AveragerConfig, replicas_in_sync, setup_models
-from fabric_multimodel.pacing import gather_step_times, last_round, paced, paced_steps, rounds_origin
-from fabric_multimodel.schedule import Schedule
+from fabric_multimodel.averaging.pacing import gather_step_times, last_round, paced, paced_steps, rounds_origin
+from fabric_multimodel.rounds.schedule import Schedule
 from tests.gan import collectives
 
 WARMUP, PERIOD = 4, 8

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.scale import PUBLISHED, TARGETS, paper_settings
-from fabric_multimodel.auto_period import choose_period
-from fabric_multimodel.cost_model import (
+from fabric_multimodel.averaging.auto_period import choose_period
+from fabric_multimodel.averaging.pacing import paced as paced_periods
+from fabric_multimodel.plan.cost_model import (
     PAYLOADS,
     Setting,
     bandwidth_for,
@@ -27,9 +28,8 @@ from fabric_multimodel.cost_model import (
     utilisation,
     wire_bytes,
 )
-from fabric_multimodel.pacing import paced as paced_periods
-from fabric_multimodel.plan import format_bits, main, parse_count
-from fabric_multimodel.report import parse_final_line
+from fabric_multimodel.plan.planner import format_bits, main, parse_count
+from fabric_multimodel.run.report import parse_final_line
 
 #: The one cell the model misses by more than a step of the paper's grid: 100B streaming at 99%, 13.2 Gbit/s
 #: against 19.3 (the model lets each fragment's bytes leave during the whole backward; the simulator evidently not).
@@ -170,7 +170,7 @@ def test_sites_of_different_speeds_lose_compute_unless_paced_by_speed(
     speeds: list[float], period: int, step_s: float
 ) -> None:
     """Paced by steps, every site makes the period's steps in the slowest's time: the faster ones idle for the rest.
-    Paced by speed, each makes what :func:`fabric_multimodel.pacing.paced` gives it in the fastest's time."""
+    Paced by speed, each makes what :func:`fabric_multimodel.averaging.pacing.paced` gives it in the fastest's time."""
     setting = Setting(params=1e9, step_s=step_s, period=period, comm_dtype="fp8")
     waited, share = paced(setting, speeds, pace="steps")
     slowest_s = step_s * max(speeds) / min(speeds)
@@ -261,7 +261,8 @@ def test_the_command_imports_no_torch() -> None:
     """What keeps ``--help`` under a second: no torch (its import alone takes seconds)."""
     done = subprocess.run([sys.executable, "-m", "fabric_multimodel.plan", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--recommend" in done.stdout
-    probe = "import sys, fabric_multimodel.plan; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    probe = "import sys, fabric_multimodel.plan.planner\n"
+    probe += "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "[]"
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel.preemption import PreemptionStop
+from fabric_multimodel.run.preemption import PreemptionStop
 
 
 @contextlib.contextmanager

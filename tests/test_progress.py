@@ -1,8 +1,9 @@
-"""The run's progress (fabric_multimodel.progress) and report (fabric_multimodel.report): what a person and the
+"""The run's progress (fabric_multimodel.run.progress) and report (fabric_multimodel.run.report): what a person and the
 benchmarks read."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -11,34 +12,56 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabric_multimodel.elastic import Resumed
-from fabric_multimodel.progress import Progress, StartPhases, process_started, transfer_printer
-from fabric_multimodel.report import final_line, parse_final_line
+from fabric_multimodel.checkpoints.resume import Resumed
+from fabric_multimodel.run.cli import configure_logging
+from fabric_multimodel.run.progress import Progress, StartPhases, process_started, transfer_printer
+from fabric_multimodel.run.report import final_line, parse_final_line
 
 FINAL_KEYS = ["wall_s", "iter_ms_median", "iter_ms_mean", "comm_bytes", "comm_bytes_per_iter", "rounds"]
 
 
-def test_progress_rate_counts_from_the_step_a_run_resumed_at(monkeypatch, capsys) -> None:
+def _lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fabric_multimodel.run.progress"]
+
+
+def test_progress_rate_counts_from_the_step_a_run_resumed_at(monkeypatch, caplog) -> None:
+    caplog.set_level("INFO", "fabric_multimodel")
     clock = iter([100.0, 102.0])  # two seconds between the start (a resume at step 50) and step 60
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     progress = Progress(total=100, start=50, every=10, enabled=True)
     progress(60, lambda: {"loss": 1.0})
-    assert capsys.readouterr().out.strip() == "step 60/100 loss=1.000 5 it/s"
+    assert _lines(caplog) == ["step 60/100 loss=1.000 5 it/s"]
 
 
-def test_progress_shows_the_last_step_and_a_unit_of_its_own(monkeypatch, capsys) -> None:
+def test_progress_shows_the_last_step_and_a_unit_of_its_own(monkeypatch, caplog) -> None:
+    caplog.set_level("INFO", "fabric_multimodel")
     clock = iter([0.0, 4.0])
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     progress = Progress(total=7, start=0, every=5, enabled=True, unit="tok")
     progress(3, lambda: pytest.fail("metrics are read only when a line is shown"))
     progress(7, lambda: {"loss": 0.5}, scale=1000)  # not a multiple of `every`, but the last step
-    assert capsys.readouterr().out.strip() == "step 7/7 loss=0.500 1,750 tok/s"
+    assert _lines(caplog) == ["step 7/7 loss=0.500 1,750 tok/s"]
 
 
-def test_a_transfer_prints_where_enabled_only(capsys) -> None:
+def test_a_transfer_logs_where_enabled_only(caplog, capsys) -> None:
+    caplog.set_level("INFO", "fabric_multimodel")
     transfer_printer("resume", enabled=False)(1, 2, 0.5)
     transfer_printer("resume")(1_000_000, 9_000_000, 8.12)
-    assert capsys.readouterr().out == "resume: 1.00 of 9.00 MB in 8.1 s\n"
+    assert _lines(caplog) == ["resume: 1.00 of 9.00 MB in 8.1 s"]
+    assert capsys.readouterr().out == ""  # the library prints nothing: a script configures its loggers
+
+
+def test_configure_logging_shows_the_library_lines_on_stdout_once(capsys) -> None:
+    logger = logging.getLogger("fabric_multimodel")
+    before = (list(logger.handlers), logger.level)
+    try:
+        configure_logging("INFO")
+        configure_logging("INFO")  # a second call adds no second handler
+        logging.getLogger("fabric_multimodel.run.progress").debug("hidden at INFO")
+        transfer_printer("resume")(1_000_000, 9_000_000, 8.12)
+        assert capsys.readouterr().out == "resume: 1.00 of 9.00 MB in 8.1 s\n"
+    finally:
+        logger.handlers[:], logger.level = before
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the process's start comes from /proc")

@@ -1,4 +1,4 @@
-"""The block-quantized mean (fabric_multimodel.quantized): the codes alone, then rounds in real gloo worlds.
+"""The block-quantized mean (fabric_multimodel.comm.quantized): the codes alone, then rounds in real gloo worlds.
 
 The tests of the codes alone and of one process take the ``device`` fixture: ``--device cuda`` runs them
 with CUDA tensors (``-m device`` selects them alone); the worlds are CPU/gloo.
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.common import profile_call
-from fabric_multimodel import collectives
-from fabric_multimodel.quantized import (
+from fabric_multimodel.comm import collectives
+from fabric_multimodel.comm.quantized import (
     CODE_DTYPES,
     FLOAT4_E2M1,
     Quantized,
@@ -477,7 +477,7 @@ def warned_by_a_round(fabric):
     """The warnings a quantized round and the pacing agreement raise (both gather into one tensor)."""
     import warnings
 
-    from fabric_multimodel.pacing import gather_step_times
+    from fabric_multimodel.averaging.pacing import gather_step_times
 
     mean = QuantizedMean(1000, E4M3, "cpu")
     with warnings.catch_warnings(record=True) as caught:

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabric_multimodel import Averager, setup_models
-from fabric_multimodel.checkpoints import CheckpointWriter, read_checkpoint, replica_path
-from fabric_multimodel.elastic import _plan, resume_latest
+from fabric_multimodel.checkpoints.files import CheckpointWriter, read_checkpoint, replica_path
+from fabric_multimodel.checkpoints.resume import _plan, resume_latest
 from tests.gan import collectives, mlp
 from tests.test_local_checkpoints import train_step
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel.schedule import Event, Schedule
+from fabric_multimodel.rounds.schedule import Event, Schedule
 
 
 @st.composite

@@ -29,8 +29,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabric_multimodel.pacing import paced_steps
-from fabric_multimodel.report import parse_final_line
+from fabric_multimodel.averaging.pacing import paced_steps
+from fabric_multimodel.run.report import parse_final_line
 from fabric_multimodel.sites import (
     FAILURE_GRACE_S,
     STOP_GRACE_S,

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fabric_multimodel.launch import free_port, join_local_world, process_context, shutdown
+from fabric_multimodel.run.launch import free_port, join_local_world, process_context, shutdown
 
 # A hung collective turns into an error after this long instead of blocking the suite.
 COLLECTIVE_TIMEOUT_S = 60

@@ -38,16 +38,14 @@ The tool in its rooms, each needing only the standard library:
 - :mod:`~fabric_multimodel.sites.cli`: the command line.
 """
 
+from fabric_multimodel.plan.rates import RATE_FORMS, format_rate, parse_rate
 from fabric_multimodel.sites.cli import main, parse_arguments
 from fabric_multimodel.sites.network import (
-    RATE_FORMS,
     Sites,
     SitesError,
-    format_rate,
     kill_namespace,
     measure_link,
     namespace_pids,
-    parse_rate,
     socket_in,
     tbf_settings,
 )

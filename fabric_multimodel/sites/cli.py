@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from fabric_multimodel.sites.network import RATE_FORMS, SitesError, parse_rate
+from fabric_multimodel.plan.rates import RATE_FORMS, parse_rate
+from fabric_multimodel.sites.network import SitesError
 from fabric_multimodel.sites.run import Churn, Drop, Join, SitesResult, Terminated, run_sites
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import secrets
 import signal
 import socket
@@ -26,18 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: What ``--bandwidth`` accepts, for error messages.
-RATE_FORMS = "500kbit, 10mbit, 1gbit, a plain number of bits per second, or none (unlimited)"
-MIN_RATE = 8_000  # 1 kB/s: the slowest link worth simulating
 #: The sites' TCP congestion control. A namespace inherits the host's (this project's build machines: bbr) and may
 #: set only an allowed one (there: reno, bbr). On the simulated link (no propagation delay, a queue of 256 kB or
 #: more) a 872 kB two-way exchange, a 2-site allreduce's bytes, took over its bytes over the rate: bbr 1.28x at 3
 #: mbit and 1.23x at 10 mbit, cubic 1.01x and 1.30x, reno 1.01x and 1.02x; one way, all 0.99x (median of 8, one
 #: run each). Reno keeps the queue full whichever way the acknowledgements go, so a round's time is its bytes.
 CONGESTION_CONTROL = "reno"
-MAX_RATE = 100_000_000_000
-_UNITS = {"": 1, "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}  # SI, as tc reads them
-_RATE = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[kmg]?bit)?", re.IGNORECASE)
 
 SUBNET = "10.77.0"
 NETNS_DIR = Path("/run/netns")
@@ -49,40 +42,6 @@ class SitesError(ValueError):
 
 
 # --- rates and the link ---------------------------------------------------------------------------
-
-
-def parse_rate(text: str) -> int | None:
-    """Bits per second for ``text`` (``500kbit``, ``10mbit``, ``1.5gbit``, ``2000000``), or None for ``none``
-    (unlimited). Units are SI, as ``tc`` reads them. Raises ``ValueError`` naming the accepted forms.
-
-    Example::
-
-        assert parse_rate("100mbit") == 100_000_000 and parse_rate("none") is None
-    """
-    if text.strip().lower() == "none":
-        return None
-    match = _RATE.fullmatch(text.strip())
-    if match is None or (match["unit"] is None and "." in match["number"]):
-        raise ValueError(f"{text!r} is not a rate: use {RATE_FORMS}")
-    bits = round(float(match["number"]) * _UNITS[(match["unit"] or "").lower()])
-    if not MIN_RATE <= bits <= MAX_RATE:
-        raise ValueError(f"{text!r} is outside {format_rate(MIN_RATE)}..{format_rate(MAX_RATE)}: use {RATE_FORMS}")
-    return bits
-
-
-def format_rate(bits: int | None) -> str:
-    """``100mbit``, ``1gbit``, ``1500kbit``, ``12345bit``, or ``unlimited`` for None.
-
-    Example::
-
-        assert format_rate(parse_rate("1000mbit")) == "1gbit"
-    """
-    if bits is None:
-        return "unlimited"
-    for unit in ("gbit", "mbit", "kbit"):
-        if bits % _UNITS[unit] == 0:
-            return f"{bits // _UNITS[unit]}{unit}"
-    return f"{bits}bit"
 
 
 def tbf_settings(bits: int) -> list[str]:

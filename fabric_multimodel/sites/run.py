@@ -21,16 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fabric_multimodel.plan.rates import format_rate, parse_rate
 from fabric_multimodel.sites.cpu import SiteCpu, check_share, cpu_controller_problem
-from fabric_multimodel.sites.network import (
-    Sites,
-    SitesError,
-    format_rate,
-    kill_namespace,
-    measure_link,
-    parse_rate,
-    probe_kernel,
-)
+from fabric_multimodel.sites.network import Sites, SitesError, kill_namespace, measure_link, probe_kernel
 from fabric_multimodel.sites.processes import (
     STDOUT,
     Launcher,

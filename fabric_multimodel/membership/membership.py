@@ -1,0 +1,556 @@
+"""Live membership: sites that come and go while the others train on, with no restart.
+
+Each site is a job of its own (its own ``fabric run`` or torchrun). The sites that train together agree,
+through a store on a coordinator outside every site (``python -m fabric_multimodel.coordinator``, a bare
+``TCPStore``; or an etcd cluster, :mod:`fabric_multimodel.membership.etcd_store`, which survives the loss of a member of
+its own), on the members of each *epoch*, and each epoch has a process group of its own among its
+members, made from that store (:func:`~fabric_multimodel.comm.collectives.standalone_group`). An
+:class:`~fabric_multimodel.Averager` given a :class:`Membership` runs each round on the group of the epoch it
+is in, and moves to the next epoch at a round boundary (a site joined) or when a round fails (a site left).
+
+Every decision is one key of the store, written once with ``compare_set``: the first proposal wins and every
+member reads the same value, so no member leads and any site may be lost, the first one included.
+
+- A site *registers* (the ``joins`` counter; ``join/<n>`` holds its name) and waits to be admitted. The first
+  epoch is the first ``min_sites`` sites to register.
+- At a *round boundary* (a round finished, none in flight) every member proposes for
+  ``epoch/<e>/round/<r>``: ``keep``, or the members and the sites registered since whose heartbeat it saw move
+  (a registrant whose heartbeat stood still for ``3 * heartbeat_s`` died waiting, and is passed over, told
+  ``gone`` should it still wait: it registers again). A change is epoch ``e + 1``; the admitted sites find their
+  epoch under ``admit/<token>``.
+- When a round *fails* (a peer exited, or the group's ``timeout`` passed), each survivor checks in under
+  ``epoch/<e>/alive/<token>`` and waits until every member whose heartbeat still moves has checked in (a
+  heartbeat that stood still for ``3 * heartbeat_s`` is a member gone; ``timeout`` at most); the first proposal
+  for ``epoch/<e>/next`` (those checked in, and the sites registered since) is the next epoch. A member left
+  out of it registers again, as a new site.
+
+A member is a *token*, ``<site>#<n>`` (its registration number ``n``), so a site that starts again is a new
+member, never confused with the process it replaces. Epoch ``e + 1`` lists the members kept from epoch ``e``
+first, in their order, then the new ones: its rank 0 is the oldest member still there.
+
+A site may be several processes (``fabric run --devices 2``: the site's own world, its DDP inside): every site
+then has as many, and process ``i`` of each site meets process ``i`` of the others in the epoch's group ``i``.
+The site registers once (its process 0) and its processes read every decision from the store alike; where they
+could see a failure differently (a round, a group being made) they agree first (:meth:`Membership.agree`, one
+all-reduce inside the site), so a site always moves as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fabric_multimodel.comm.collectives import all_gather_single, standalone_group
+from fabric_multimodel.membership.etcd_store import SCHEME, EtcdStore, endpoints_of
+
+_log = logging.getLogger(__name__)
+
+#: Seconds between two polls of the store while waiting (admission, check-ins).
+POLL_S = 0.05
+#: What ``admit/<token>`` says to a registrant passed over as gone (its heartbeat stood still): register again.
+GONE = "gone"
+
+
+class RunEnded(RuntimeError):
+    """The run's members finished (:meth:`Membership.close` with ``finished=True``) before this site was admitted: a
+    site that started too late has nothing to join.
+
+    Example::
+
+        try:
+            averager = Averager(fabric, model, period=128, membership=membership)
+        except RunEnded:
+            print("the run is over")
+    """
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership of the run: its number, its members in rank order, this process's rank and their group.
+
+    Example::
+
+        epoch = membership.join()
+        print(f"epoch {epoch.number}: sites {epoch.sites}, I am rank {epoch.rank}")
+        dist.all_reduce(tensor, group=epoch.group)
+    """
+
+    number: int
+    #: The members' tokens, ``<site>#<registration>``, in rank order.
+    members: tuple[str, ...]
+    rank: int
+    #: The epoch's process group (None only while it is being made).
+    group: dist.ProcessGroup | None = field(repr=False, compare=False)
+    #: The members that were not in the previous epoch (all of them in the first).
+    joined: tuple[str, ...] = ()
+    #: The previous epoch's members that are not in this one.
+    left: tuple[str, ...] = ()
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        """The members' site names, in rank order."""
+        return tuple(site_of(token) for token in self.members)
+
+
+def site_of(token: str) -> str:
+    """The site name of a member's token (``"berlin#3"`` -> ``"berlin"``)."""
+    return token.rpartition("#")[0]
+
+
+def check_coordinator(coordinator: str) -> None:
+    """A ValueError naming the address unless it is ``host:port`` or ``etcd://host:port,host:port,...``."""
+    if coordinator.startswith(SCHEME):
+        endpoints_of(coordinator)
+        return
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"got {coordinator!r}")
+
+
+def coordinator_store(coordinator: str, timeout: float) -> dist.Store:
+    """A connection to the store at ``coordinator``: ``host:port`` (a ``TCPStore`` served by
+    ``python -m fabric_multimodel.coordinator``) or ``etcd://host:port,...`` (an
+    :class:`~fabric_multimodel.membership.etcd_store.EtcdStore`); its calls fail after ``timeout`` seconds. Keep it
+    referenced while it is in use: a ``PrefixStore`` over it does not keep an etcd store's Python object alive.
+
+    Example::
+
+        store = coordinator_store("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379", timeout=30.0)
+        run = dist.PrefixStore("run/", store)
+    """
+    check_coordinator(coordinator)
+    if coordinator.startswith(SCHEME):
+        return EtcdStore(endpoints_of(coordinator), timeout=timeout)
+    host, _, port = coordinator.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """What a key of the store says an epoch is: its members, and the registrations it has seen."""
+
+    members: tuple[str, ...]
+    registrations: int
+
+    def encode(self) -> str:
+        return f"{self.registrations}|{','.join(self.members)}"
+
+    @classmethod
+    def decode(cls, value: bytes) -> _Decision:
+        registrations, _, members = value.decode().partition("|")
+        return cls(tuple(m for m in members.split(",") if m), int(registrations))
+
+
+class Membership:
+    """This site's membership in a run whose sites come and go: registration, the epochs it takes part in, and
+    the process group of each.
+
+    Args:
+        coordinator: ``host:port`` of the store every site reaches (``python -m fabric_multimodel.coordinator``),
+            or an etcd cluster's members, ``etcd://host:port,host:port,...`` (the coordinator may then lose one).
+        site: this site's name (the same when it starts again); ``#`` is not allowed in it.
+        device: where the group's collectives run (``fabric.device``): gloo on a CPU, NCCL on a GPU.
+        min_sites: the first epoch starts when this many sites registered.
+        timeout: seconds after which a collective of an epoch's group fails, the longest a survivor waits for the
+            others to check in, and for the store.
+        heartbeat_s: seconds between this process's heartbeats; a member whose heartbeat stood still for three of
+            them is gone.
+        run: the run's name: the store's keys are under it, so one coordinator can serve several runs.
+        max_sites: the most members an epoch may have (sites past it wait for a place).
+        on_transfer: called as ``on_transfer(bytes_done, bytes_total, seconds)`` every few seconds and at the end
+            while this site receives the state of the run from a member (it joined, or missed a round).
+
+    Build it once the site's own world started (``fabric.launch()``): a site of several processes is the default
+    process group, and every site of the run must have as many.
+
+    Example::
+
+        membership = Membership("coordinator-host:29400", site="berlin", device=fabric.device, min_sites=2)
+        with Averager(fabric, model, period=128, outer_optimizer=diloco, membership=membership) as averager:
+            ...  # the loop: a site that leaves or joins costs the others a round's wait, not a restart
+        membership.close()
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        site: str,
+        *,
+        device: torch.device | str = "cpu",
+        min_sites: int = 1,
+        timeout: float = 30.0,
+        heartbeat_s: float = 0.5,
+        run: str = "run",
+        max_sites: int = 64,
+        on_transfer: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        try:
+            check_coordinator(coordinator)
+        except ValueError as error:
+            raise ValueError(
+                f"Membership: `coordinator` must be 'host:port' or 'etcd://host:port,host:port,...'; {error}."
+            ) from None
+        if not site or "#" in site or "," in site or "|" in site:
+            raise ValueError(f"Membership: `site` must be a non-empty name without '#', ',' or '|', got {site!r}.")
+        for name, value in (("min_sites", min_sites), ("max_sites", max_sites)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Membership: `{name}` must be a positive int, got {value!r}.")
+        if min_sites > max_sites:
+            raise ValueError(f"Membership: `min_sites` ({min_sites}) is more than `max_sites` ({max_sites}).")
+        for name, seconds in (("timeout", timeout), ("heartbeat_s", heartbeat_s)):
+            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
+                raise ValueError(f"Membership: `{name}` must be a positive number of seconds, got {seconds!r}.")
+        self.site, self.min_sites, self.max_sites = site, min_sites, max_sites
+        self.timeout, self.heartbeat_s = float(timeout), float(heartbeat_s)
+        self.device = torch.device(device)
+        self.on_transfer = on_transfer
+        self._coordinator, self._run = coordinator, run
+        self._stores: list[dist.Store] = []  # a Python store (etcd's) lives only while Python holds it
+        #: This process's rank in its site, and the site's processes (its own world: 1 when it has none).
+        self.local_rank, self.processes = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
+        self._store = self._connect()
+        #: This process's token once registered, ``<site>#<n>``.
+        self.token: str | None = None
+        #: The epoch this process is in (None before :meth:`join`).
+        self.epoch: Epoch | None = None
+        #: Seconds this process spent on changes after its first epoch: agreements, waiting for survivors, groups.
+        self.waited_s = 0.0
+        self._decision: _Decision | None = None
+        #: Registrants this process has looked at: their heartbeat count then, and when (see _admissible).
+        self._registrants: dict[str, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
+
+    def _connect(self) -> dist.Store:
+        store = coordinator_store(self._coordinator, self.timeout)
+        self._stores.append(store)
+        return dist.PrefixStore(f"{self._run}/", store)
+
+    # --- registration and admission ---------------------------------------------------------------
+
+    def join(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
+        """Register and wait to be admitted (the first ``min_sites`` sites: at once; later ones at the members'
+        next round boundary); returns the first epoch this process is in, with its group made.
+        ``on_wait(seconds)`` is called about every 10 s while waiting.
+
+        Example::
+
+            epoch = membership.join(on_wait=lambda s: print(f"waiting to be admitted: {s:.0f} s"))
+        """
+        return self._admit(on_wait)
+
+    def _admit(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
+        start = time.perf_counter()
+        processes = int(self._store.compare_set("processes", "", str(self.processes)))
+        if processes != self.processes:  # on every process of the site, before it registers
+            raise ValueError(
+                f"Membership: this site has {self.processes} processes and the run's sites have {processes}; start"
+                " every site with the same number (process i of each site averages with process i of the others)."
+            )
+        number = self._from_site_process_0(self._store.add("joins", 1) if self.local_rank == 0 else 0)
+        self.token = f"{self.site}#{number}"
+        self._store.set(f"join/{number}", self.token)
+        self._start_heartbeats()
+        if number <= self.min_sites:  # the first epoch: the first min_sites sites, once they all registered
+            self._poll([f"join/{self.min_sites}"], on_wait, start)
+            first = _Decision(tuple(self._registered(1, self.min_sites)), self.min_sites)
+            self._store.compare_set("epoch/0/next", "", first.encode())
+        admitted = self._poll([f"admit/{self.token}", "epoch/0/next"], on_wait, start, first_only=True)
+        if admitted == "epoch/0/next":
+            decision = _Decision.decode(self._store.get("epoch/0/next"))
+            number = 1
+            if self.token not in decision.members:  # registered before the first epoch, not one of it
+                self._poll([f"admit/{self.token}"], on_wait, start)
+                admitted = f"admit/{self.token}"
+        if admitted != "epoch/0/next":
+            value = self._store.get(f"admit/{self.token}").decode()
+            if value == GONE:  # its heartbeat stood still while it waited, and the members went on without it
+                return self._admit(on_wait)
+            number = int(value)
+            decision = _Decision.decode(self._store.get(f"epoch/{number - 1}/next"))
+        return self._enter(number, decision, previous=())
+
+    def _registered(self, first: int, last: int) -> list[str]:
+        return [self._store.get(f"join/{n}").decode() for n in range(first, last + 1)]
+
+    def _admissible(self, first: int, registered: int, room: int) -> tuple[list[str], int]:
+        """The sites registered as numbers ``first..registered`` that may be admitted now (at most ``room``), and
+        the last registration that accounts for. One whose heartbeat has not moved since this process first
+        looked at it, and those after it, wait for a later boundary; one whose heartbeat stood still for
+        ``3 * heartbeat_s`` is gone (it died while it waited) and is passed over: admitted, it would hold the
+        next epoch's group ``timeout`` seconds waiting for it."""
+        admitted: list[str] = []
+        last, now = first - 1, time.perf_counter()
+        for number in range(first, registered + 1):
+            if len(admitted) == room:
+                break
+            (token,) = self._registered(number, number)
+            count = self._store.add(f"beat/{token}", 0)
+            first_count, first_seen = self._registrants.setdefault(token, (count, now))
+            if count != first_count:
+                admitted.append(token)
+            elif now - first_seen < 3 * self.heartbeat_s:
+                break
+            last = number
+        return admitted, last
+
+    def _poll(
+        self,
+        keys: Sequence[str],
+        on_wait: Callable[[float], None] | None,
+        start: float,
+        *,
+        first_only: bool = False,
+    ) -> str:
+        """Wait until every key exists (``first_only``: any of them, returned), or raise :class:`RunEnded` once the
+        run finished. Polls: a store wait that times out would leave the connection unusable."""
+        reported = start
+        while True:
+            if self._store.check(["finished"]):
+                raise RunEnded(f"Membership: the run finished before site {self.site!r} was admitted; nothing to join.")
+            present = [key for key in keys if self._store.check([key])]
+            if (present and first_only) or len(present) == len(keys):
+                return present[0]
+            now = time.perf_counter()
+            if on_wait is not None and now - reported >= 10:
+                on_wait(now - start)
+                reported = now
+            time.sleep(POLL_S)
+
+    # --- changes ------------------------------------------------------------------------------------
+
+    def at_boundary(self, index: int) -> Epoch | None:
+        """At a round boundary (``index``: the same count on every member, e.g. the rounds so far): a new epoch,
+        with its group made, when sites registered since this one began; else None. One ``compare_set`` on the
+        store, and nothing else, when no site is waiting.
+
+        Example::
+
+            if (epoch := membership.at_boundary(averager.rounds)) is not None:
+                print("admitted", epoch.joined)
+        """
+        epoch, decision = self._current()
+        start = time.perf_counter()
+        registered = self._store.add("joins", 0)
+        proposal = "keep"
+        room = self.max_sites - len(epoch.members)
+        if registered > decision.registrations and room > 0:
+            new, last = self._admissible(decision.registrations + 1, registered, room)
+            if new:  # one that is gone is passed over with the next one admitted
+                proposal = _Decision(epoch.members + tuple(new), last).encode()
+        decided = self._store.compare_set(f"epoch/{epoch.number}/round/{index}", "", proposal).decode()
+        if decided == "keep":
+            return None
+        # the round's decision is the next epoch, unless a failure elsewhere decided it first
+        taken = _Decision.decode(self._store.compare_set(f"epoch/{epoch.number}/next", "", decided))
+        result = self._change(epoch, taken)
+        self.waited_s += time.perf_counter() - start
+        return result
+
+    def recover(self) -> Epoch:
+        """After a round of this epoch failed: agree with the survivors on the next epoch and make its group. A
+        member left out of it (it checked in too late) registers again and waits to be admitted.
+
+        Example::
+
+            try:
+                dist.all_reduce(tensor, group=epoch.group)
+            except RuntimeError:
+                epoch = membership.recover()
+        """
+        epoch, decision = self._current()
+        start = time.perf_counter()
+        assert self.token is not None
+        if self.local_rank == 0:
+            _log.warning("epoch %d failed (a member was lost): agreeing on the survivors", epoch.number)
+        self._store.set(f"epoch/{epoch.number}/failing", "1")  # the others stop waiting on this epoch's collectives
+        self._store.set(f"epoch/{epoch.number}/alive/{self.token}", "1")
+        key = f"epoch/{epoch.number}/next"
+        if not self._store.check([key]):
+            alive = self._survivors(epoch)
+            registered = self._store.add("joins", 0)
+            room = max(self.max_sites - len(alive), 0)
+            new, last = self._admissible(decision.registrations + 1, registered, room)
+            proposal = _Decision(tuple(alive) + tuple(new), last)
+            self._store.compare_set(key, "", proposal.encode())
+        result = self._change(epoch, _Decision.decode(self._store.get(key)))
+        self.waited_s += time.perf_counter() - start
+        return result
+
+    def failing(self) -> bool:
+        """True once a member of this epoch has begun to recover from a failed round: a collective of the epoch
+        that is still unfinished can then only time out (one look at the store).
+
+        Example::
+
+            wait_all(work, abandon=membership.failing)
+        """
+        epoch = self.epoch
+        return epoch is not None and self._store.check([f"epoch/{epoch.number}/failing"])
+
+    def agree(self, ok: bool) -> bool:
+        """True when every process of this site says ``ok`` (one all-reduce inside the site; none in a site of one
+        process). A process that says not ok first marks the epoch failing, so that the other sites' waits on it
+        end: a site then recovers as one, never half of it in the next epoch.
+
+        Example::
+
+            if not membership.agree(round_failed_here is None):
+                epoch = membership.recover()
+        """
+        if not ok and self.epoch is not None:
+            self._store.set(f"epoch/{self.epoch.number}/failing", "1")
+        if self.processes == 1:
+            return ok
+        flag = torch.tensor([0 if ok else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the site's own world: its processes live and die together
+        return not bool(flag.item())
+
+    def _from_site_process_0(self, value: int) -> int:
+        """``value`` as the site's process 0 has it (one broadcast inside the site; none in a site of one)."""
+        if self.processes == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return int(tensor.item())
+
+    def _survivors(self, epoch: Epoch) -> list[str]:
+        """The members of ``epoch`` that checked in, once every member whose heartbeat moves has (``timeout`` at
+        most), in the epoch's order."""
+        start = time.perf_counter()
+        beats: dict[str, tuple[int, float]] = {}
+        while True:
+            now = time.perf_counter()
+            checked = {m for m in epoch.members if self._store.check([f"epoch/{epoch.number}/alive/{m}"])}
+            waiting = []
+            for member in epoch.members:
+                if member in checked:
+                    continue
+                count = self._store.add(f"beat/{member}", 0)
+                last = beats.get(member)
+                if last is None or last[0] != count:
+                    beats[member] = (count, now)
+                if now - beats[member][1] < 3 * self.heartbeat_s:
+                    waiting.append(member)
+            if not waiting or now - start >= self.timeout or self._store.check([f"epoch/{epoch.number}/next"]):
+                return [m for m in epoch.members if m in checked]
+            time.sleep(POLL_S)
+
+    def _change(self, epoch: Epoch, decision: _Decision) -> Epoch:
+        """Move from ``epoch`` to the next, as ``decision`` says; rejoin as a new site when it leaves us out."""
+        assert self.token is not None and self._decision is not None
+        for token in decision.members:
+            if token not in epoch.members:
+                self._store.set(f"admit/{token}", str(epoch.number + 1))
+        for token in self._registered(self._decision.registrations + 1, decision.registrations):
+            if token not in decision.members:  # passed over as gone: should it still wait, it registers again
+                self._store.set(f"admit/{token}", GONE)
+        self._store.set("epoch", str(epoch.number + 1))
+        if self.token not in decision.members:
+            _log.warning("site %s was left out of epoch %d: registering again", self.site, epoch.number + 1)
+            self.epoch = self._decision = None
+            return self._admit()
+        return self._enter(epoch.number + 1, decision, previous=epoch.members)
+
+    def _enter(self, number: int, decision: _Decision, previous: Sequence[str]) -> Epoch:
+        """Make the group of epoch ``number`` (every member calls this; ``timeout`` at most). A member that does not
+        arrive fails the epoch before it began: the others recover from it."""
+        assert self.token is not None
+        rank = decision.members.index(self.token)
+        joined = tuple(m for m in decision.members if m not in previous)
+        left = tuple(m for m in previous if m not in decision.members)
+        self.epoch, self._decision = Epoch(number, decision.members, rank, None, joined, left), decision
+        store = dist.PrefixStore(f"epoch/{number}/group/{self.local_rank}/", self._store)
+        try:
+            group = standalone_group(store, rank, len(decision.members), self.device, self.timeout)
+        except RuntimeError:
+            group = None
+        if not self.agree(group is not None):  # every process of the site in the epoch, or none
+            return self.recover()
+        self.epoch = dataclasses.replace(self.epoch, group=group)
+        if self.local_rank == 0:
+            _log.info(
+                "epoch %d: %d sites %s, this one rank %d (joined: %s; left: %s)",
+                number,
+                len(decision.members),
+                ", ".join(self.epoch.sites),
+                rank,
+                ", ".join(joined) or "none",
+                ", ".join(left) or "none",
+            )
+        return self.epoch
+
+    def _current(self) -> tuple[Epoch, _Decision]:
+        if self.epoch is None or self._decision is None:
+            raise RuntimeError("Membership: this site is in no epoch yet; call join() first.")
+        return self.epoch, self._decision
+
+    # --- heartbeats ---------------------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self._beats is not None:
+            return
+        store = self._connect()  # a connection of its own: the training thread's may be waiting on the store
+
+        def beat() -> None:
+            while not self._stop.is_set():
+                try:
+                    store.add(f"beat/{self.token}", 1)  # a site that registered again beats under its new token
+                except RuntimeError:  # the coordinator is gone; the training thread will say so
+                    return
+                self._stop.wait(self.heartbeat_s)
+
+        self._beats = threading.Thread(target=beat, name=f"heartbeat-{self.site}", daemon=True)
+        self._beats.start()
+
+    def close(self, finished: bool = False) -> None:
+        """Stop the heartbeats (the others then see this site gone within ``3 * heartbeat_s``) and drop the group.
+        ``finished``: this site ran the run to its end (every member ends at the same step), so sites still
+        waiting to be admitted stop waiting (their :meth:`join` raises :class:`RunEnded`).
+
+        Example::
+
+            membership.close(finished=averager.steps == total_steps)
+        """
+        if finished and self.epoch is not None:
+            self._store.set("finished", "1")
+        self._stop.set()
+        if self._beats is not None:
+            self._beats.join(timeout=self.heartbeat_s + 1)
+        self.epoch = self._decision = None
+
+    def __enter__(self) -> Membership:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def catch_up(
+    progress: Sequence[int], device: torch.device, group: dist.ProcessGroup
+) -> tuple[int | None, list[int], list[int]]:
+    """Which member of ``group`` holds the newest state, which are behind it, and the newest ``progress``, from each
+    member's (ints of the same length on every member, compared in order: say the step, then the step of the last
+    round). ``(None, [], progress)`` when every member is where the others are. One all-gather.
+
+    Example::
+
+        source, behind, _ = catch_up([averager.steps, averager.finished_at or -1], fabric.device, epoch.group)
+    """
+    mine = torch.tensor(list(progress), dtype=torch.int64, device=device)
+    everyone = torch.zeros(group.size() * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_single(everyone, mine, group=group)
+    rows = [list(row) for row in everyone.view(group.size(), -1).tolist()]
+    newest = max(rows)
+    behind = [rank for rank, row in enumerate(rows) if row != newest]
+    return (rows.index(newest) if behind else None), behind, newest
