@@ -72,7 +72,7 @@ def accuracy_rows(n: int, world: int) -> list[dict]:
     """One row per code dtype, scale dtype and block size: relative RMS errors on each payload, and bytes."""
     import torch
 
-    from fabric_multimodel.comm.quantized import CODE_DTYPES, dequantize, quantize
+    from fabric_multimodel.comm.codec import CODE_DTYPES, dequantize, quantize
 
     data = [payloads(n, seed) for seed in range(world)]  # one payload of each kind per simulated rank
     rows = []
@@ -108,7 +108,7 @@ def _relative_rms(approx, exact) -> float:
 
 def sent_bytes(n: int, world: int, block: int, code, scale_dtype, header: int) -> int:
     """The all-to-all input of one round per rank: QuantizedMean's layout, with either scale dtype."""
-    from fabric_multimodel.comm.quantized import FLOAT4_E2M1
+    from fabric_multimodel.comm.codec import FLOAT4_E2M1
 
     def ceil_div(a: int, b: int) -> int:
         return -(-a // b)
@@ -143,7 +143,8 @@ def measure_size(n: int, alone_group, repeats: int, warmup: int) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from fabric_multimodel.comm.quantized import FLOAT4_E2M1, QuantizedMean
+    from fabric_multimodel.comm.codec import FLOAT4_E2M1
+    from fabric_multimodel.comm.quantized import QuantizedMean
 
     world, rank = dist.get_world_size(), dist.get_rank()
     codes = {"fp8 e4m3fn": torch.float8_e4m3fn, "fp4 e2m1": FLOAT4_E2M1}
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
 def bytes_rows() -> list[list[str]]:
     import torch
 
-    from fabric_multimodel.comm.quantized import CODE_DTYPES, DEFAULT_BLOCK_SIZE
+    from fabric_multimodel.comm.codec import CODE_DTYPES, DEFAULT_BLOCK_SIZE
 
     rows = []
     for n in (200_000, 6_000_000):

@@ -19,6 +19,7 @@ from fabric_multimodel.checkpoints.files import CheckpointError, same_settings
 from fabric_multimodel.checkpoints.resume import restart_count
 from fabric_multimodel.checkpoints.sharded import ResumedSharded
 from fabric_multimodel.membership.membership import RunEnded, site_of
+from fabric_multimodel.plan.payloads import PAYLOADS
 from fabric_multimodel.run import cli
 from fabric_multimodel.run.cli import (
     add_averager_arguments,
@@ -36,8 +37,6 @@ from fabric_multimodel.run.progress import Progress, StartPhases, transfer_print
 from fabric_multimodel.run.report import GradientBytes
 
 AUTO = Path("auto")  # --resume auto
-#: --comm-dtype in run folder names.
-LOW_PRECISION = {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8e5m2", "float4_e2m1fn_x2": "fp4"}
 
 
 def add_averaging_arguments(p: argparse.ArgumentParser, *, warmup_steps: int) -> None:
@@ -161,7 +160,7 @@ def mode_name(args: argparse.Namespace) -> str:
     parts = [f"period{args.period}", f"warmup{args.warmup_steps}"]
     parts += [f"overlap{args.overlap_steps}"] if args.overlap_steps else []
     parts += [f"nesterov{args.outer_lr:g}-{args.outer_momentum:g}"] if args.outer != "none" else []
-    parts += [LOW_PRECISION[args.comm_dtype]] if args.comm_dtype != "float32" else []
+    parts += [PAYLOADS[args.comm_dtype].short] if args.comm_dtype != "float32" else []
     parts += ["ef"] if args.error_feedback else []
     parts += ["islands"] if args.layout == "islands" else []
     parts += ["sharded"] if args.shard == "node" else []

@@ -73,6 +73,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: the test takes the `device` fixture (its tensors live on --device)")
+    config.addinivalue_line(
+        "markers",
+        "slow: a long scenario (whole example runs, simulated sites, a world killed and started again); the README's"
+        " test command leaves them out (pyproject.toml's addopts), `-m slow` runs them, and CI runs both",
+    )
     name = config.getoption("--device")
     try:
         torch.empty(0, device=name)

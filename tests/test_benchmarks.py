@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.run.report import parse_final_line
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +64,7 @@ def number(cell: str) -> float:
 # --- gan_comm ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gan_comm_quick(tmp_path):
     stdout = run_script("gan_comm", tmp_path)
     assert "Machine:" in stdout and "torch" in stdout
@@ -90,6 +91,7 @@ def test_gan_comm_quick(tmp_path):
 # --- averaging_cost ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_averaging_cost_quick(tmp_path):
     stdout = run_script("averaging_cost", tmp_path)
     assert "Machine:" in stdout
@@ -253,6 +255,7 @@ def test_the_repeats_summary_reports_medians_and_how_often_each_setting_was_lowe
     assert rows["auto"]["runs"] == "3"
 
 
+@pytest.mark.slow
 def test_averaging_period_quick(tmp_path):
     stdout = run_script("averaging_period", tmp_path)
     (table,) = markdown_tables(stdout)
@@ -284,6 +287,7 @@ def test_averaging_period_quick(tmp_path):
 GPU_CHECK_STEPS = ["environment", "tests", "gloo", "nccl", "gan", "lm", "averaging-cost"]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_reports_every_step_ok(tmp_path):
     stdout = run_script("gpu_check", tmp_path, mode="--dry-run")
     report = tmp_path / "gpu_check.md"
@@ -326,6 +330,7 @@ def test_gpu_check_without_a_gpu_reports_the_gpu_steps_missing_and_exits_1(tmp_p
     assert "missing: a visible CUDA GPU" in proc.stdout
 
 
+@pytest.mark.slow
 def test_averaging_period_across_sites_quick(tmp_path):
     """Two simulated sites behind 10 mbit (real namespaces): synchronous DDP and streaming fp8 DiLoCo beside the
     no-communication floor, with utilisation, crossing bytes, time to target and the cost model."""
@@ -353,6 +358,7 @@ def test_averaging_period_across_sites_quick(tmp_path):
     assert all(row["at equal wall-clock"].endswith(" s)") for row in table)
 
 
+@pytest.mark.slow
 def test_link_rate_quick(tmp_path):
     """Two simulated sites behind 10 mbit (real namespaces): a round of each payload, with the bytes it sends and
     its time against those bytes over the rate (which the link makes a floor: no round beats it by much)."""

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric_multimodel import Averager, replicas_in_sync, setup_models
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from tests.gan import allreduce_payloads, mlp
 from tests.worlds import errors_of, in_step
 

@@ -74,6 +74,7 @@ def wait_for(condition, deadline: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_lost_node_costs_at_most_a_period_and_the_world_grows_back(tmp_path):
     port, out = free_port(), tmp_path / "run"
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "b-again")}

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.run.launch import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +171,7 @@ def local_sgd_run(runs: dict[str, Any]) -> Run:
     return runs["local"]
 
 
+@pytest.mark.slow
 def test_fabric_run_synchronous(sync_run: Run) -> None:
     final = sync_run.final
     assert final["steps"] == 30
@@ -189,6 +190,7 @@ def test_fabric_run_synchronous(sync_run: Run) -> None:
     assert final["state_bytes"] == 3 * sum(sizes) + max(sizes) + counters
 
 
+@pytest.mark.slow
 def test_fabric_run_writes_checkpoint_metrics_and_picture(sync_run: Run) -> None:
     checkpoint = torch.load(sync_run.out / "checkpoint.pt", weights_only=True)
     assert set(checkpoint) == {"gen", "disc", "opt_g", "opt_d", "step", "grad_bytes", "config", "world_size"}
@@ -212,6 +214,7 @@ def test_fabric_run_writes_checkpoint_metrics_and_picture(sync_run: Run) -> None
         assert PLOT_HINT in sync_run.stdout
 
 
+@pytest.mark.slow
 def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Run) -> None:
     final = local_sgd_run.final
     assert final["steps"] == 40
@@ -225,6 +228,7 @@ def test_fabric_run_local_sgd_communicates_less(local_sgd_run: Run, sync_run: Ru
     assert final["per_iter"] < sync_run.final["per_iter"]
 
 
+@pytest.mark.slow
 def test_resume_continues_to_the_total_steps(local_sgd_run: Run, runs: dict[str, Any]) -> None:
     resumed = runs["resumed"]
     final = resumed.final
@@ -252,6 +256,7 @@ def sharded_runs(runs: dict[str, Any]) -> tuple[Run, Run]:
     return runs["sharded"]
 
 
+@pytest.mark.slow
 def test_both_models_shard_with_fsdp2_and_resume_from_their_folder(sharded_runs: tuple[Run, Run]) -> None:
     first, resumed = sharded_runs
     assert "layout=islands (FSDP2 inside each node, rounds of its shards across nodes)" in first.stdout
@@ -264,6 +269,7 @@ def test_both_models_shard_with_fsdp2_and_resume_from_their_folder(sharded_runs:
     assert resumed.final["steps"] == 16 and resumed.final["rounds"] == 2 + expected_rounds(12, 16, 4, 4) == 3
 
 
+@pytest.mark.slow
 def test_script_launches_its_own_processes(runs: dict[str, Any]) -> None:
     result = runs["python"]
     assert result.final["steps"] == 20
@@ -320,12 +326,14 @@ def test_bad_flags_exit_with_one_line(flags: list[str], mentions: str, tmp_path:
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_flag_stops_the_real_script_with_one_line(tmp_path: Path) -> None:
     proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--period", "-1"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["gan_fabric.py: error: --period must be >= 0, got -1"]
 
 
+@pytest.mark.slow
 def test_devices_belong_to_fabric_run_under_the_cli(tmp_path: Path) -> None:
     # `fabric run` marks its processes with LT_CLI_USED=1; the flag must then go to `fabric run`.
     proc = run([sys.executable, SCRIPT, "--out", str(tmp_path), "--devices", "2"], env={"LT_CLI_USED": "1"})
@@ -337,6 +345,7 @@ def fabric_run(*args: str) -> subprocess.CompletedProcess:
     return run([str(FABRIC), "run", "--accelerator", "cpu", "--main-port", str(free_port()), *args])
 
 
+@pytest.mark.slow
 def test_fabric_run_takes_its_flags_anywhere_and_a_failure_ends_on_the_one_line(tmp_path: Path) -> None:
     # What the README says: `fabric run` reads --devices wherever it stands, also after the script path (a); after
     # `--` the flag reaches the script, which refuses it (b). Both at once: each mostly imports, on one core.
@@ -365,6 +374,7 @@ def torchrun_run(out: Path) -> tuple[subprocess.CompletedProcess, Path]:
     return run([*cmd, SCRIPT, "--steps", "10", "--out", str(out)]), out
 
 
+@pytest.mark.slow
 def test_torchrun_processes_form_one_world(runs: dict[str, Any], example, capsys) -> None:
     proc, out = runs["torchrun"]
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -381,6 +391,7 @@ def test_torchrun_processes_form_one_world(runs: dict[str, Any], example, capsys
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 10
 
 
+@pytest.mark.slow
 def test_resuming_says_when_nothing_is_left_and_when_the_world_changed(
     sync_run: Run, tmp_path: Path, example, capsys
 ) -> None:
@@ -403,11 +414,13 @@ def resume_refused(example, capsys, checkpoint: Path, steps: int, out: Path, *fl
     return stderr.strip()
 
 
+@pytest.mark.slow
 def test_resume_beyond_steps_is_refused(local_sgd_run: Run, tmp_path: Path, example, capsys) -> None:
     line = resume_refused(example, capsys, local_sgd_run.out / "checkpoint.pt", 20, tmp_path, "--warmup-steps", "10")
     assert "beyond --steps 20" in line, line
 
 
+@pytest.mark.slow
 def test_resume_with_other_flags_is_refused(sync_run: Run, tmp_path: Path, example, capsys) -> None:
     # A synchronous run's checkpoint has no averager state to resume --period from; 4 processes wrote it.
     line = resume_refused(example, capsys, sync_run.out / "checkpoint.pt", 40, tmp_path)
@@ -468,6 +481,7 @@ def test_default_run_folders_are_per_dataset_mode_and_seed(tmp_path: Path, examp
     assert torch.load(tmp_path / "runs/gan/ring-sync-seed0/checkpoint.pt", weights_only=True)["step"] == 9
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_stops(tmp_path: Path) -> None:
     cmd = [sys.executable, SCRIPT, "--out", str(tmp_path), "--steps", "100000", "--log-every", "20"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LT_")}
@@ -506,6 +520,7 @@ def test_digits(tmp_path: Path, example, capsys) -> None:
     assert (tmp_path / "digits.png").is_file() == HAS_MATPLOTLIB
 
 
+@pytest.mark.slow
 def test_a_default_length_run_captures_every_mode_with_high_quality(tmp_path: Path, example, capsys) -> None:
     # The recipe's quality at the default length (the sweep reports 4 processes: 8/8 modes and at least 0.90
     # high quality on 5 seeds), checked here in one process: 39 s on a loaded 2-core machine, against 108 s

@@ -396,6 +396,7 @@ def peer_dies_or_stalls(fabric, fault, phase):
     return "finished"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
 @pytest.mark.parametrize("phase", ["warm-up", "local"])
 def test_a_peer_that_dies_or_stalls_ends_the_run_with_a_clear_error(fault, phase, record_property):

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fabric_multimodel import frozen, replicas_in_sync
 from fabric_multimodel.ring import ring_quality
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.run.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -528,6 +528,7 @@ def example(*flags: str, launcher: list[str] = ()) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow
 def test_example_local_sgd_run_under_torchrun(tmp_path):
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     proc = example(
@@ -579,6 +580,7 @@ def test_example_bad_flags_are_one_line(flags, mentions, capsys):
     assert len(lines) == 1 and mentions in lines[0], lines
 
 
+@pytest.mark.slow
 def test_example_bad_flag_stops_the_script_before_any_process_starts():
     proc = example("--devices", "2", "--period", "-1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stdout == ""

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.run import cli
 from fabric_multimodel.run.launch import free_port, stop_process_tree
 from fabric_multimodel.run.report import parse_final_line
@@ -150,6 +150,7 @@ def resumed_run(runs: dict[str, Run]) -> Run:
     return runs["resumed"]
 
 
+@pytest.mark.slow
 def test_synchronous_run_sends_the_parameter_bytes_every_step(sync_run: Run) -> None:
     final, saved = sync_run.final, checkpoint(sync_run)
     assert final["steps"] == 9 and final["rounds"] == 0
@@ -161,6 +162,7 @@ def test_synchronous_run_sends_the_parameter_bytes_every_step(sync_run: Run) -> 
     assert comm_parts(sync_run) == {"ddp_bytes": 9 * param_bytes(saved), "round_bytes": 0, "node_round_bytes": 0}
 
 
+@pytest.mark.slow
 def test_run_writes_checkpoint_metrics_plot_and_a_sample(sync_run: Run, lm: ModuleType) -> None:
     saved = checkpoint(sync_run)
     assert set(saved) == {
@@ -201,6 +203,7 @@ def test_run_writes_checkpoint_metrics_plot_and_a_sample(sync_run: Run, lm: Modu
     assert all(c.isprintable() or c in "\t\n" for c in generated)
 
 
+@pytest.mark.slow
 def test_local_sgd_counts_rounds_and_bytes(local_run: Run, sync_run: Run) -> None:
     final, saved = local_run.final, checkpoint(local_run)
     rounds = expected_rounds(0, 12, warmup=4, period=5)
@@ -213,6 +216,7 @@ def test_local_sgd_counts_rounds_and_bytes(local_run: Run, sync_run: Run) -> Non
     assert final["comm_bytes_per_iter"] < sync_run.final["comm_bytes_per_iter"]
 
 
+@pytest.mark.slow
 def test_resume_continues_steps_rounds_bytes_and_stream(local_run: Run, resumed_run: Run) -> None:
     final, saved = resumed_run.final, checkpoint(resumed_run)
     more = expected_rounds(12, 20, warmup=4, period=5)
@@ -379,6 +383,7 @@ def test_the_default_layout_keeps_warm_up_inside_each_node(
     assert args.layout == layout
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_within_a_few_steps(tmp_path: Path) -> None:
     """Two processes, checks far apart (--log-every 50000): a SIGTERM to both (as torchrun's agent sends it) stops
     them at the same step soon after, with a checkpoint of that step; it used to wait for the next check."""

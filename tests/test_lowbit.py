@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fabric_multimodel import Averager, NonFiniteError, replicas_in_sync, setup_models
 from fabric_multimodel.comm import collectives
-from fabric_multimodel.comm.quantized import relative_error
+from fabric_multimodel.comm.codec import relative_error
 from tests.gan import mlp
 from tests.worlds import errors_of, in_step
 

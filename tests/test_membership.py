@@ -142,6 +142,7 @@ def _diloco(**options: Any) -> dict[str, Any]:
     return {"period": 8, "warmup_steps": 0, "outer_lr": 0.7, **options}
 
 
+@pytest.mark.slow
 def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_identical(coordinator: str) -> None:
     """Blocking fp32 DiLoCo rounds, which without a membership would send from the parameters' own storage (streaming
     fp8 rounds: the LM example in test_sites.py, with --launcher live), averaging the inner SGD's momentum too."""
@@ -186,6 +187,7 @@ def test_a_lost_site_and_a_joining_one_cost_no_restart_and_every_site_ends_ident
     assert [e for e, _ in finished["d"]["epochs"]] == [epochs[-1][0]]
 
 
+@pytest.mark.slow
 def test_sites_train_on_through_an_etcd_cluster_that_loses_a_member(etcd: tuple[str, list[Any]]) -> None:
     """The agreement kept in an etcd cluster of three: the member every site asks first is killed once the sites
     registered, and the sites still lose one of theirs and admit another (etcd goes on with two of three), and end
@@ -209,6 +211,7 @@ def test_sites_train_on_through_an_etcd_cluster_that_loses_a_member(etcd: tuple[
         assert epochs[0] == (1, ("a", "b", "c")) and epochs[-1][1] == ("b", "c", "d"), epochs
 
 
+@pytest.mark.slow
 def test_paced_sites_agree_their_pace_again_when_a_site_leaves_and_when_one_joins(coordinator: str) -> None:
     """pace="speed": c (and later d) steps three times slower than a and b, so runs a third of their steps per
     round. a is lost, d joins: each epoch agrees the pace again among its members, d running the fastest site's
@@ -241,6 +244,7 @@ def test_paced_sites_agree_their_pace_again_when_a_site_leaves_and_when_one_join
         assert r["wait_s"] < 5.0, f"{name} waited {r['wait_s']:.1f} s on membership"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside", ["ddp", "fsdp2"])
 def test_sites_of_two_processes_lose_a_site_and_take_one_in_as_one(coordinator: str, inside: str) -> None:
     """Sites of two processes (islands: DDP inside each, each process sending half of a streaming fp8 round with

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from fabric_multimodel.run.launch import free_port, stop_process_tree
 from fabric_multimodel.run.report import parse_final_line
 
@@ -55,6 +57,7 @@ def start_sites(folder: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]
     return coordinator, sites
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_sigterm_and_started_again_ends_as_one_never_stopped(tmp_path: Path) -> None:
     whole, stopped = start(tmp_path / "whole"), start(tmp_path / "stopped")
     try:
@@ -78,6 +81,7 @@ def test_a_run_stopped_by_sigterm_and_started_again_ends_as_one_never_stopped(tm
         assert resumed[key] == expected[key], (key, resumed, expected)
 
 
+@pytest.mark.slow
 def test_a_site_joins_a_run_under_way_and_both_end_with_the_same_model(tmp_path: Path) -> None:
     coordinator, sites = start_sites(tmp_path)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.run.launch import free_port, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,15 +16,8 @@ from hypothesis import strategies as st
 
 from benchmarks.common import profile_call
 from fabric_multimodel.comm import collectives
-from fabric_multimodel.comm.quantized import (
-    CODE_DTYPES,
-    FLOAT4_E2M1,
-    Quantized,
-    QuantizedMean,
-    dequantize,
-    quantize,
-    relative_error,
-)
+from fabric_multimodel.comm.codec import CODE_DTYPES, FLOAT4_E2M1, Quantized, dequantize, quantize, relative_error
+from fabric_multimodel.comm.quantized import QuantizedMean
 from tests.worlds import errors_of, in_step
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

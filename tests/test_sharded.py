@@ -20,7 +20,7 @@ from fabric_multimodel import Averager, frozen, replicas_in_sync, setup_models
 from fabric_multimodel.averaging.arguments import plain_module
 from fabric_multimodel.checkpoints.files import CheckpointWriter, replica_path, save_checkpoint
 from fabric_multimodel.checkpoints.sharded import load_sharded, resume_latest_sharded, save_sharded, saved_step
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from tests.gan import collectives, mlp
 
 NESTEROV = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)

@@ -160,6 +160,7 @@ def test_script_code_reads_the_workers_code_from_the_launchers_report():
     assert shell_code(-9) == 137 and shell_code(3) == 3
 
 
+@pytest.mark.slow
 def test_link_is_limited_each_way_and_traffic_inside_a_site_is_not():
     """10 mbit between sites (TCP payload: ~95.7% of it, the rest is headers); inside a site, traffic to the
     site's own address (as between the processes of one site) goes over lo: 64 MB in well under a second (it
@@ -367,6 +368,7 @@ def allreduce_seconds(result: SitesResult) -> float:
     return float(line.rsplit("seconds=", 1)[1])
 
 
+@pytest.mark.slow
 def test_a_site_at_half_a_core_gets_at_most_half_a_core_and_its_cgroup_is_removed(joined):
     """The quota is the promise: site 1's busy loop gets at most half a core of CPU time, however busy the machine
     (other load can only lower it); unlimited, one process on 2 cores gets nearly a whole one."""
@@ -378,6 +380,7 @@ def test_a_site_at_half_a_core_gets_at_most_half_a_core_and_its_cgroup_is_remove
     assert not [p for p in CPU_CONTROLLER.iterdir() if p.name.startswith(f"fmm{slower.run_id}")]
 
 
+@pytest.mark.slow
 def test_a_run_across_two_sites_ends_0_and_keeps_every_sites_logs(runs):
     result = runs["unlimited"]
     assert result.code == 0 and result.codes == (0, 0), report(result)
@@ -390,6 +393,7 @@ def test_a_run_across_two_sites_ends_0_and_keeps_every_sites_logs(runs):
     assert leftovers(result.run_id) == []
 
 
+@pytest.mark.slow
 def test_a_limited_link_takes_bytes_over_rate_and_an_unlimited_one_far_less(runs):
     """Gloo's allreduce of N bytes between 2 ranks sends N bytes each way (half in its reduce-scatter, half
     in its all-gather), so 2 allreduces of 2 MiB move 4 MiB each way: 1.68 s at 20 mbit."""
@@ -400,6 +404,7 @@ def test_a_limited_link_takes_bytes_over_rate_and_an_unlimited_one_far_less(runs
     assert allreduce_seconds(unlimited) * 5 < allreduce_seconds(limited)
 
 
+@pytest.mark.slow
 def test_gloo_between_the_processes_of_one_site_is_not_limited(runs):
     """4 MiB each way would take 34 s at 1 mbit; gloo binds to eth0's address, the site's own, which the kernel
     routes over lo. One site: nothing to measure, and the line says so."""
@@ -412,6 +417,7 @@ def test_gloo_between_the_processes_of_one_site_is_not_limited(runs):
     assert leftovers(result.run_id) == []
 
 
+@pytest.mark.slow
 def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
     """Site 1's script exits 3 once connected (its launcher itself exits 1; its report names the 3); site 0
     sleeps on, and is stopped FAILURE_GRACE_S later (SIGTERM, then SIGKILL after STOP_GRACE_S)."""
@@ -421,6 +427,7 @@ def test_a_failing_site_gives_its_scripts_code_and_the_others_are_stopped(runs):
     assert leftovers(result.run_id) == []
 
 
+@pytest.mark.slow
 def test_a_timeout_stops_everything_and_is_code_124(runs):
     result = runs["timeout"]
     assert result.timed_out and result.code == 124 and result.stopped == (0, 1), report(result)
@@ -429,6 +436,7 @@ def test_a_timeout_stops_everything_and_is_code_124(runs):
     assert leftovers(result.run_id) == []
 
 
+@pytest.mark.slow
 def test_a_dropped_site_is_killed_at_its_time_and_the_survivor_fails_at_once(runs):
     """`fabric run` worlds are static: site 0's next allreduce fails as soon as site 1's processes are gone, and
     the tool exits with its code (the run at 20 mbit, dropped once its timed allreduces are done: at the first look
@@ -495,6 +503,7 @@ def end_the_tool(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "code", "word"),
     [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")],
@@ -569,6 +578,7 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "keys"), [("lm", LM_KEYS), ("gan", GAN_KEYS)])
 def test_the_examples_train_across_two_sites(examples, name, keys):
     """Warm-up steps 1-2 synchronous, a round at step 5, and one on leaving the local steps at 6 (the GAN, paced:
@@ -598,6 +608,7 @@ def test_the_examples_train_across_two_sites(examples, name, keys):
     assert run_id and leftovers(run_id) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["auto"])
 def test_a_sharded_run_resumes_from_its_sites_folders(examples, name):
     """--resume auto, each site its own run folder and site 1's empty: site 1 receives site 0's Averager state
@@ -662,6 +673,7 @@ def joined(runs: dict[str, SitesResult | dict]) -> SitesResult:
     return runs["joined"]
 
 
+@pytest.mark.slow
 def test_torchrun_a_site_that_joins_late_grows_the_world(joined):
     """Site 0's agent starts a world of 1, then restarts its worker into a world of 2 when site 1's agent arrives;
     site 1 starts once, in the world of 2."""
@@ -674,6 +686,7 @@ def test_torchrun_a_site_that_joins_late_grows_the_world(joined):
     assert leftovers(joined.run_id) == []
 
 
+@pytest.mark.slow
 def test_torchrun_agents_rendezvous_across_the_sites_and_train(elastic):
     assert elastic.code == 0 and elastic.codes == (0, 0), report(elastic)
     first = [starts(out)[0] for out, _ in elastic.logs]
@@ -682,6 +695,7 @@ def test_torchrun_agents_rendezvous_across_the_sites_and_train(elastic):
     assert "final: world=2" in elastic.logs[0][0].read_text()
 
 
+@pytest.mark.slow
 def test_torchrun_after_a_drop_the_world_shrinks_and_grows_back(elastic):
     """Site 0's agent restarts its worker (a peer died) into a world of 1, then into a world of 2 when site 1's
     agent is back; site 1 starts twice, both times in a world of 2."""
@@ -724,6 +738,7 @@ def membership_lines(text: str) -> list[dict[str, str]]:
     ]
 
 
+@pytest.mark.slow
 def test_live_sites_train_on_when_the_first_site_is_lost_and_take_it_back(live):
     """No site restarts but the dropped one; the survivors re-form the group within seconds, the returning site
     joins them with the newest state, and all three end with the same model."""

@@ -19,7 +19,7 @@ from torch import nn
 
 from fabric_multimodel import Averager, replicas_in_sync, setup_models
 from fabric_multimodel.rounds.fragments import fragment_indices
-from fabric_multimodel.rounds.round import Header
+from fabric_multimodel.rounds.header import Header
 from tests.gan import mlp
 from tests.worlds import errors_of, in_step
 

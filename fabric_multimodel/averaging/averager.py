@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,6 +33,7 @@ from fabric_multimodel.averaging.auto_period import (
 from fabric_multimodel.averaging.builder import build_rounds
 from fabric_multimodel.averaging.config import AveragerConfig
 from fabric_multimodel.averaging.epochs import DriverHooks, Epochs
+from fabric_multimodel.averaging.held_bytes import held_bytes
 from fabric_multimodel.averaging.pacing import (
     Pace,
     gather_step_times,
@@ -42,6 +43,7 @@ from fabric_multimodel.averaging.pacing import (
     rounds_origin,
 )
 from fabric_multimodel.averaging.replicas import HasDevice, Modules
+from fabric_multimodel.averaging.saved_state import checked_choice, checked_counters, checked_pace, times_warmup
 from fabric_multimodel.comm.collectives import (
     ProcessGroup,
     Traffic,
@@ -54,8 +56,8 @@ from fabric_multimodel.comm.collectives import (
 from fabric_multimodel.ddp.models import Models
 from fabric_multimodel.membership.membership import Membership
 from fabric_multimodel.rounds.errors import AveragingError, PeerError
+from fabric_multimodel.rounds.header import Header, Stamp
 from fabric_multimodel.rounds.optimizer_state import OptimizerStateStorage
-from fabric_multimodel.rounds.round import Header, Stamp
 from fabric_multimodel.rounds.schedule import Event, Schedule
 
 _log = logging.getLogger(__name__)
@@ -88,104 +90,15 @@ class Replica:
 class Averager:
     """Model averaging for the modules of a Fabric loop, driven by one explicit ``step()`` per iteration.
 
-    The Averager is the *schedule*; what a round does depends on the options:
+    ``step()`` calls 1..``warmup_steps`` are synchronous DDP; after them the modules issue no collective in
+    forward or backward, and every ``period`` steps a round replaces the replicas by their mean (post-local SGD),
+    or takes DiLoCo's outer step with their mean pseudo-gradient (``outer_optimizer``), sent in ``comm_dtype``
+    (``torch.bfloat16``, or block-quantized fp8/fp4: :mod:`fabric_multimodel.comm.quantized`), overlapped with
+    the next ``overlap_steps`` steps, one of ``fragments`` at a time (Streaming DiLoCo). Leaving the block
+    averages, so every replica leaves identical.
 
-    - plain averaging (default): each round replaces every replica by the mean (post-local SGD);
-    - ``outer_optimizer``: DiLoCo. A round averages the pseudo-gradient ``anchor - param``, takes one
-      outer-optimizer step from the anchor with it, and sets every replica (and the anchor) to the result;
-    - ``comm_dtype``: what is sent, e.g. ``torch.bfloat16`` for half the bytes. The payload is then
-      ``anchor - param`` (plain averaging too), applied in the parameters' own dtype. The low-bit
-      ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` and ``torch.float4_e2m1fn_x2`` send it
-      block-quantized (blocks of 32 with a bf16 scale: 0.27x and 0.14x of fp32's bytes) through an
-      all-to-all and an all-gather of uint8 codes, on any backend (see
-      :mod:`fabric_multimodel.comm.quantized`); ``error_feedback=True`` adds back what each rank's
-      quantization dropped (one more fp32 copy of the averaged tensors, in ``state_dict``);
-    - ``overlap_steps=k``: a round's allreduce is launched at its step and merged ``k`` steps later,
-      keeping the local progress made meanwhile (see below); ``overlap_steps="auto"`` with ``period="auto"``
-      chooses ``k`` from the measured round first (:func:`~fabric_multimodel.averaging.auto_period.choose_overlap`);
-    - ``fragments=F``: streaming rounds (Streaming DiLoCo): the averaged parameters split into ``F``
-      fragments, and each round sends one of them (see below).
-
-    When what happens is the :class:`~fabric_multimodel.rounds.schedule.Schedule`'s business (a pure
-    object: given the ``step()`` count, the events of that step); the Averager carries them out.
-    The schedule:
-
-    - ``step()`` calls 1..``warmup_steps``: ordinary synchronous DDP, gradients allreduced every step.
-    - After that, inside the block: local steps with **no** collective in forward or backward (no
-      gradient allreduce, no DDP buffer broadcast), and a round of parameters (plus floating-point
-      buffers when ``average_buffers``, plus the floating-point state of ``optimizers``) when
-      ``(steps - warmup_steps) % period == 0``; with fragments, fragment ``f`` (0-based) at
-      ``steps - warmup_steps = (f + 1) * period / F + k * period``.
-    - Leaving the block: a round, so every replica leaves identical. In the local phase it is issued
-      even when no rank took a local step since the last round (it then changes nothing), so that
-      it can check that every rank called ``step()`` equally often. Leaving by exception issues no
-      new collective; a round in flight is waited for (every rank issued it) and discarded, and
-      each replica keeps its own parameters.
-
-    The schedule counts ``step()`` calls, never optimizer steps, so a GAN's two optimizers or a
-    GradScaler that skips a step cannot make ranks disagree on when to average. Every round's
-    payload carries each rank's ``step()`` count: ranks whose schedules drifted apart (a
-    ``step()`` skipped or doubled on one rank) get an :class:`AveragingError` on every rank at the
-    next ``sync()`` or at the end of the block. With ``check_finite``, a round whose payload holds
-    NaN or Inf on any rank raises :class:`NonFiniteError` on every rank; anchored rounds (DiLoCo,
-    ``comm_dtype``) first put the parameters back at the anchor, plain averaging has already
-    spread the values. A peer that died or cannot be reached makes the round raise
-    :class:`AveragingError` naming the round and step (after the process group's timeout at the
-    latest: set it with ``DDPStrategy(timeout=...)``).
-
-    DiLoCo: the *anchor* is where the parameters were after the previous round (or at the end of
-    warm-up, or after ``load_state_dict``). ``outer_optimizer`` is called once with the anchor's
-    copies of the averaged parameters (same shapes and order as the modules' parameters) and must
-    return an optimizer over exactly those, so your ``param.grad`` is never touched. Floating-point
-    buffers are averaged, not stepped; ``optimizers`` (the inner optimizers' state) stays an
-    independent option. ``sync()`` under DiLoCo is an outer step taken now (a round ahead of
-    schedule); during warm-up, rounds are plain means and the outer optimizer does not step.
-    Memory: one anchor copy of the averaged tensors, the outer optimizer's state (SGD momentum: one
-    more copy), and a send buffer in ``comm_dtype`` when that differs from the parameters' dtype;
-    nothing in a round is allocated in proportion to the model, except what the outer optimizer's
-    own ``step()`` allocates (PyTorch's for-loop SGD makes a temporary per tensor with Nesterov;
-    ``foreach=True`` avoids that).
-
-    Overlap (``overlap_steps=k``, ``1 <= k < period``): at a round's step, ``step()`` copies the
-    parameters into a snapshot ``s`` and what the round sends (the parameters, or ``anchor - s``)
-    into the send buffer, starts the allreduce and returns. ``k`` ``step()`` calls later it waits
-    and merges: plain averaging ``param <- mean(s) + (param - s)``, computed as
-    ``(param - s) + mean(s)``; DiLoCo takes the outer step from the anchor with the delayed mean
-    pseudo-gradient, then ``param <- anchor + (param - s)``. ``sync()``, ``state_dict()`` and leaving
-    the block finish a round in flight first (and ``sync()`` then averages, so replicas are
-    identical). It costs a snapshot and a send buffer (each one copy of the averaged tensors,
-    allocated once); ``optimizers`` cannot be combined with it (their state would need a
-    snapshot of its own). ``traffic``, ``rounds`` and the schedule count a round at its launch.
-
-    Fragments (``fragments=F``, ``period % F == 0``): an int splits the averaged parameters, in
-    module order, into ``F`` runs of consecutive tensors of about equal size; a list of groups
-    (each a module, a parameter, or a list of those) sets them, e.g.
-    ``[model.blocks[0::2], model.blocks[1::2]]``, and every parameter must be in one group. Each
-    round sends its fragment only (and the header), so the peak bytes of a round are ``1/F`` of the
-    model's. DiLoCo's outer optimizer steps only the fragment whose round it is, and each
-    fragment has its own anchor. Floating-point buffers ride with the last fragment (once per
-    period). With ``overlap_steps=k`` (``k < period / F``) each fragment's round merges ``k`` steps
-    after its launch, one fragment in flight at a time. ``sync()``, ``state_dict()`` and leaving
-    the block round every fragment, one after the other. ``optimizers`` cannot be combined with
-    fragments (the inner state stays local, as in DiLoCo).
-
-    Mixing (``mixing=a``, with ``overlap_steps``): an overlapped merge sets
-    ``param <- (1 - a) * global + a * param`` (Streaming DiLoCo's rule; ``global`` is the round's
-    result: the mean, or DiLoCo's new anchor) instead of ``global + (param - s)``.
-
-    Islands (DDP inside each node, rounds across nodes; see :func:`node_groups`): the replicas
-    start from the same values (one checksum allreduce across nodes at construction, and a
-    broadcast of what differs; ``start_traffic``), warm-up sends nothing across nodes, and each
-    fragment's first round after warm-up is a plain mean of the nodes' replicas that sets its
-    anchor; DiLoCo's outer steps start with the second. The ``D`` processes of a node hold one
-    replica, so each sends its ``1/D`` slice of a round across the nodes and they then exchange
-    the slices inside the node (one broadcast per slice): ``traffic`` counts what crossed.
-
-    Checkpoints: ``state_dict()`` holds the counters and, for anchored rounds, the anchor, the
-    outer optimizer's state and the replica's index. With anchored rounds (:attr:`anchored`) a
-    checkpoint needs no round: each replica saves its own (see :attr:`replica`) and a resume into
-    the same world is bitwise. Plain averaging has no anchor: save right after a round, or after
-    ``sync()``; a checkpoint in the middle of a period holds that rank's local parameters only.
+    The schedule, what leaving the block does, how a drifted or non-finite round fails, DiLoCo's anchor and memory,
+    overlap, fragments, mixing, islands and checkpoints, in detail: the averaging guide, "The Averager in detail".
 
     Args:
         fabric: the launched Fabric (only its ``device`` is read; the Trainer adapter passes its LightningModule).
@@ -259,20 +172,7 @@ class Averager:
         self._round, self._node_round, self._has_buffers = built.round, built.node_round, built.has_buffers
         #: The number of fragments; a round covers one.
         self.fragments = built.fragments
-        #: With ``period="auto"``: what was chosen at the end of warm-up, and from what (None until then).
-        self.period_choice: PeriodChoice | None = None
-        #: With ``pace="speed"``: every site's local steps per round and weight, agreed at the end of warm-up.
-        self.pace: Pace | None = None
-        # period="auto" and pace="speed" time the warm-up: seconds between its step() calls
-        self._times_warmup = config.period == "auto" or config.pace == "speed"
-        # pace="speed": the fastest site's local steps per round ("auto" is refused with pace)
-        self._fastest_period = config.period if isinstance(config.period, int) else 0
-        self._step_gaps: list[float] = []
-        self._last_step: float | None = None
-        # pace="speed" under a membership, agreed again at each epoch: the seconds of this rank's latest steps
-        # without a round, and where this site's pace began (its step at a round, and the fastest site's then)
-        self._recent_gaps: deque[float] | None = deque(maxlen=32) if membership and config.pace == "speed" else None
-        self._pace_since: tuple[int, int] | None = None
+        self._init_timing(config, membership is not None)
         self._site = placement.site
         self._set_period(built.period)
         self._device = fabric.device
@@ -293,6 +193,23 @@ class Averager:
         else:
             self._check_agreement(built.agreement)
             self.start_traffic = self._start_islands()
+
+    def _init_timing(self, config: AveragerConfig, live: bool) -> None:
+        """What ``period="auto"`` and ``pace="speed"`` time and hold (nothing chosen yet)."""
+        #: With ``period="auto"``: what was chosen at the end of warm-up, and from what (None until then).
+        self.period_choice: PeriodChoice | None = None
+        #: With ``pace="speed"``: every site's local steps per round and weight, agreed at the end of warm-up.
+        self.pace: Pace | None = None
+        # period="auto" and pace="speed" time the warm-up: seconds between its step() calls
+        self._times_warmup = times_warmup(config)
+        # pace="speed": the fastest site's local steps per round ("auto" is refused with pace)
+        self._fastest_period = config.period if isinstance(config.period, int) else 0
+        self._step_gaps: list[float] = []
+        self._last_step: float | None = None
+        # pace="speed" under a membership, agreed again at each epoch: the seconds of this rank's latest steps
+        # without a round, and where this site's pace began (its step at a round, and the fastest site's then)
+        self._recent_gaps: deque[float] | None = deque(maxlen=32) if live and config.pace == "speed" else None
+        self._pace_since: tuple[int, int] | None = None
 
     def _driver_hooks(self) -> DriverHooks:
         """What this Averager lends its epochs (a live membership's) beyond its public state."""
@@ -549,7 +466,7 @@ class Averager:
             print(f"averaging holds {averager.state_bytes / 2**20:.1f} MiB on this rank")
         """
         modules = {t.untyped_storage().data_ptr() for t in self._round.storage.tensors}
-        return _held_bytes([self._round, self._node_round], exclude=modules)
+        return held_bytes([self._round, self._node_round], exclude=modules)
 
     @property
     def anchored(self) -> bool:
@@ -698,9 +615,12 @@ class Averager:
 
             fabric.load("ckpt.pt", {"averager": averager, "gen": gen})
         """
-        values, synced_at, saved_by = _checked_counters(state_dict, self._round.state_keys, self.fragments)
-        choice, gaps = self._checked_choice(state_dict, values["steps"])
-        pace = self._checked_pace(state_dict, values["steps"])
+        values, synced_at, saved_by = checked_counters(state_dict, self._round.state_keys, self.fragments)
+        choice, gaps = checked_choice(state_dict, values["steps"], self.config, self.overlap_steps, self.fragments)
+        world = group_size(self.process_group)
+        pace = checked_pace(
+            state_dict, values["steps"], self.config, self.membership is not None, self._fastest_period, world
+        )
         try:
             self._round.load_state_dict(state_dict)
         except ValueError as error:
@@ -722,63 +642,6 @@ class Averager:
                 self._round.restore_global()
         if self._ddp_settings is not None:
             self._apply_phase()
-
-    def _checked_choice(self, state: dict[str, Any], steps: int) -> tuple[PeriodChoice | None, list[float]]:
-        """period="auto": the state's chosen period (None: not chosen yet) and warm-up step times, checked."""
-        if not self._times_warmup:
-            return None, []
-        gaps = state.get("warmup_step_s")
-        if not isinstance(gaps, list) or not all(isinstance(g, float) and g >= 0 for g in gaps):
-            raise ValueError(
-                "Averager.load_state_dict: period='auto' and pace='speed' need the state's `warmup_step_s` (a list"
-                " of seconds); it was saved by an Averager without them: give the period as a number, or drop pace."
-            )
-        if self.config.period != "auto":
-            return None, gaps
-        saved = state.get("period_choice")
-        if saved is None:
-            if steps >= self.warmup_steps:
-                raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no chosen period.")
-            return None, gaps
-        overlap = self.overlap_steps
-        if self.config.overlap_steps == "auto":  # chosen with the period: the state's
-            saved_overlap = saved[4] if len(saved) > 4 else None
-            if isinstance(saved_overlap, bool) or not isinstance(saved_overlap, int) or saved_overlap < 1:
-                raise ValueError(
-                    f"Averager.load_state_dict: overlap_steps='auto' needs the chosen overlap in the state's"
-                    f" `period_choice`, found {saved_overlap!r}; it was saved with another overlap: give that one."
-                )
-            overlap = saved_overlap
-        choice = PeriodChoice(*saved[:4])._replace(overlap_steps=overlap)  # the period is checked below
-        period = choice.period
-        smallest = shortest_period(self.fragments, overlap)
-        if isinstance(period, bool) or not isinstance(period, int) or period < smallest or period % self.fragments:
-            raise ValueError(
-                f"Averager.load_state_dict: `period_choice` holds period {period!r}; with these fragments and overlap"
-                f" it must be a multiple of {self.fragments} of at least {smallest}."
-            )
-        return choice, gaps
-
-    def _checked_pace(self, state: dict[str, Any], steps: int) -> Pace | None:
-        """pace="speed": the state's agreed pace (None: not agreed yet), checked against this group. Under a
-        membership, none: the members agree it at each epoch."""
-        if self.membership is not None:
-            return None
-        if self.config.pace != "speed" or state.get("pace") is None:
-            if self.config.pace == "speed" and steps > self.warmup_steps:
-                raise ValueError("Averager.load_state_dict: the state is past warm-up but holds no pace.")
-            return None
-        try:
-            pace = Pace(*(tuple(values) for values in state["pace"]))
-            paced(self._fastest_period, pace.step_s)  # checks the step times
-        except (TypeError, ValueError):
-            raise ValueError(f"Averager.load_state_dict: `pace` is not a saved pace: {state['pace']!r}.") from None
-        if pace != paced(self._fastest_period, pace.step_s) or len(pace.periods) != group_size(self.process_group):
-            raise ValueError(
-                f"Averager.load_state_dict: `pace` was agreed by {len(pace.periods)} sites with another period;"
-                f" this Averager averages over {group_size(self.process_group)} with period {self._fastest_period}."
-            )
-        return pace
 
     def restore_global(self) -> None:
         """Set the averaged tensors to the global model, their anchors; no collective.
@@ -971,87 +834,6 @@ def _check_intact(intact: bool) -> None:
             "Averager: a parameter or buffer was given new storage after the Averager was built (for"
             " example by `.to()` or `param.data = ...`); move models before building the Averager."
         )
-
-
-def _held_bytes(roots: Sequence[Any], exclude: Collection[int] = ()) -> int:
-    """Bytes of the distinct tensor storages reachable from ``roots`` through this library's objects, their lists
-    and dicts and optimizers' state, except the storages at the addresses in ``exclude``. DTensors are the
-    modules' FSDP2 parameters, referred to, not held."""
-    from torch.distributed.tensor import DTensor
-
-    storages: dict[int, int] = {}
-    seen: set[int] = set()
-    pending = list(roots)
-    while pending:
-        item = pending.pop()
-        if isinstance(item, DTensor):
-            continue
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages.setdefault(storage.data_ptr(), storage.nbytes())
-            continue
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, (list, tuple, set)):
-            pending.extend(item)
-        elif isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, Optimizer):
-            pending.extend(item.state.values())
-        elif type(item).__module__.startswith("fabric_multimodel.") and hasattr(item, "__dict__"):
-            pending.extend(vars(item).values())
-    return sum(size for address, size in storages.items() if address not in exclude)
-
-
-def _checked_counters(
-    state: dict[str, Any], round_keys: Sequence[str], fragments: int
-) -> tuple[dict[str, int], list[int], int | None]:
-    """A state's counters, each fragment's last round step and the replica that saved it (None: not said),
-    checked before anything is changed; a KeyError or ValueError naming the field."""
-    counters = ("steps", "rounds", "synced_at_step", "elements_communicated", "bytes_communicated")
-    missing = (set(counters) | set(round_keys)) - set(state)
-    if missing:
-        raise KeyError(f"Averager.load_state_dict: the state is missing {sorted(missing)}.")
-    values = {}
-    for name in counters:
-        value = state[name]
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"Averager.load_state_dict: `{name}` must be a whole number >= 0, got {value!r}.")
-        values[name] = value
-    if values["synced_at_step"] > values["steps"]:
-        raise ValueError(
-            f"Averager.load_state_dict: `synced_at_step` ({values['synced_at_step']}) is beyond `steps`"
-            f" ({values['steps']}); the state is corrupt."
-        )
-    if 2 * values["bytes_communicated"] < values["elements_communicated"]:  # no payload is below 4 bits
-        raise ValueError(
-            "Averager.load_state_dict: fewer bytes than half the elements communicated; the state is corrupt."
-        )
-    synced_at = _whole_numbers(
-        state.get("fragments_synced_at", [values["synced_at_step"]] * fragments),
-        fragments,
-        values["steps"],
-        "fragments_synced_at",
-    )
-    saved_by = state.get("replica")
-    if saved_by is not None and (isinstance(saved_by, bool) or not isinstance(saved_by, int) or saved_by < 0):
-        raise ValueError(f"Averager.load_state_dict: `replica` must be a whole number >= 0, got {saved_by!r}.")
-    return values, synced_at, saved_by
-
-
-def _whole_numbers(values: Any, count: int, limit: int, name: str) -> list[int]:
-    """``values`` as ``count`` whole numbers in 0..``limit``, or a ValueError naming the state's field."""
-    if not isinstance(values, (list, tuple)) or len(values) != count:
-        raise ValueError(f"Averager.load_state_dict: `{name}` must hold {count} numbers (one per fragment).")
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-            raise ValueError(
-                f"Averager.load_state_dict: `{name}` must hold whole numbers in 0..{limit}, got {value!r}."
-            )
-    return list(values)
 
 
 def _unwrap_steps(digits: int, near: int) -> int:

@@ -4,7 +4,7 @@ for. The Averager (the driver) only carries out the schedule's events with what 
 
 The kind of round follows from the options alone: ``outer_optimizer`` makes a DiLoCo
 :class:`~fabric_multimodel.rounds.outer.OuterRound`, a ``comm_dtype`` an anchored
-:class:`~fabric_multimodel.rounds.round.DeltaRound`, neither a plain :class:`~fabric_multimodel.rounds.round.MeanRound`.
+:class:`~fabric_multimodel.rounds.delta.DeltaRound`, neither a plain :class:`~fabric_multimodel.rounds.round.MeanRound`.
 A new kind of storage (a shard's) or of round is one more case here, not in the driver.
 
 Example::
@@ -32,9 +32,11 @@ from fabric_multimodel.averaging.config import AveragerConfig
 from fabric_multimodel.comm.collectives import ProcessGroup, group_size
 from fabric_multimodel.comm.flat import FlatStorage, Part, local_part
 from fabric_multimodel.ddp.models import ddp_ignored
+from fabric_multimodel.rounds.delta import DeltaRound
 from fabric_multimodel.rounds.fragments import fragment_indices
+from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.rounds.outer import OuterRound
-from fabric_multimodel.rounds.round import DeltaRound, Header, MeanRound, Round
+from fabric_multimodel.rounds.round import MeanRound, Round
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from fabric_multimodel.comm.quantized import CODE_DTYPES
+from fabric_multimodel.comm.codec import CODE_DTYPES
 from fabric_multimodel.rounds.fragments import Fragments
 from fabric_multimodel.rounds.outer import OuterOptimizerFactory
 
@@ -139,6 +139,12 @@ def _short(value: Any) -> str:
 
 
 def _check(config: AveragerConfig, caller: str = "Averager") -> None:
+    for check in (_check_schedule, _check_payload, _check_node_period, _check_pace):
+        check(config, caller)
+
+
+def _check_schedule(config: AveragerConfig, caller: str) -> None:
+    """The period, the warm-up, the overlap and the flags."""
     check_int("warmup_steps", config.warmup_steps, minimum=0, caller=caller)
     if config.overlap_steps == "auto":
         if config.period != "auto":
@@ -165,6 +171,18 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
             f"{caller}: `overlap_steps` ({config.overlap_steps}) must be smaller than `period` ({config.period}), so"
             " that a round is merged before the next one starts."
         )
+    mixing = config.mixing
+    if mixing is not None:
+        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing <= 1:
+            raise ValueError(f"{caller}: `mixing` must be a number in [0, 1] or None, got {mixing!r}.")
+        if not config.overlap_steps:
+            raise ValueError(
+                f"{caller}: `mixing` sets how overlapped rounds merge; set `overlap_steps` too, or drop `mixing`."
+            )
+
+
+def _check_payload(config: AveragerConfig, caller: str) -> None:
+    """What a round sends, and the outer optimizer that applies it."""
     comm_dtype = config.comm_dtype
     if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
         raise TypeError(
@@ -183,14 +201,10 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
             " given, not an optimizer: e.g."
             " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
         )
-    mixing = config.mixing
-    if mixing is not None:
-        if isinstance(mixing, bool) or not isinstance(mixing, (int, float)) or not 0 <= mixing <= 1:
-            raise ValueError(f"{caller}: `mixing` must be a number in [0, 1] or None, got {mixing!r}.")
-        if not config.overlap_steps:
-            raise ValueError(
-                f"{caller}: `mixing` sets how overlapped rounds merge; set `overlap_steps` too, or drop `mixing`."
-            )
+
+
+def _check_node_period(config: AveragerConfig, caller: str) -> None:
+    """Two-level averaging: plain blocking rounds inside the node between the rounds across the world."""
     if config.node_period is not None:
         check_int("node_period", config.node_period, minimum=1, caller=caller)
         assert isinstance(config.period, int)  # "auto" was refused above
@@ -201,7 +215,7 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
                 " steps in between."
             )
         if (
-            comm_dtype is not None
+            config.comm_dtype is not None
             or config.outer_optimizer is not None
             or config.overlap_steps
             or config.fragments != 1
@@ -211,12 +225,15 @@ def _check(config: AveragerConfig, caller: str = "Averager") -> None:
                 " comm_dtype, overlap_steps and fragments, or use the islands layout (DDP inside the node) for those."
             )
 
+
+def _check_pace(config: AveragerConfig, caller: str) -> None:
+    """``pace='speed'``: what it can pace yet."""
     if config.pace not in ("steps", "speed"):
         raise ValueError(
             f"{caller}: `pace` must be 'steps' (every site runs `period` local steps per round) or 'speed' (each"
             f" site in proportion to its speed), got {config.pace!r}."
         )
-    paced_round = config.fragments == 1 and not config.overlap_steps and comm_dtype not in CODE_DTYPES
+    paced_round = config.fragments == 1 and not config.overlap_steps and config.comm_dtype not in CODE_DTYPES
     if config.pace == "speed" and (
         config.period == "auto" or config.warmup_steps < 2 or config.node_period is not None or not paced_round
     ):

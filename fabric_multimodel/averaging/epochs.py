@@ -21,14 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fabric_multimodel.averaging.pacing import Pace, gather_pace, paced
-from fabric_multimodel.comm.collectives import (
-    Traffic,
-    broadcast_differences,
-    group_rank,
-    group_size,
-    post_bytes,
-    relay_bytes,
-)
+from fabric_multimodel.comm.collectives import Traffic, broadcast_differences, group_rank, group_size
+from fabric_multimodel.comm.relay import post_bytes, relay_bytes
 from fabric_multimodel.membership.membership import Epoch, Membership, catch_up
 from fabric_multimodel.rounds.errors import PeerError
 from fabric_multimodel.rounds.round import Round

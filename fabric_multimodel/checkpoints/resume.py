@@ -41,7 +41,8 @@ from torch import nn
 
 from fabric_multimodel.averaging.averager import Averager
 from fabric_multimodel.checkpoints.files import CheckpointError, load_state, read_checkpoint, serialize
-from fabric_multimodel.comm.collectives import group_rank, group_size, relay_bytes
+from fabric_multimodel.comm.collectives import group_rank, group_size
+from fabric_multimodel.comm.relay import relay_bytes
 
 
 def restart_count() -> int:
@@ -113,7 +114,7 @@ def resume_latest(
     (by ``state[step_key]``) and tells every rank's node. Ranks whose copy is the newest keep theirs. The
     others receive what they lack, once per node across the link: the lowest rank holding the newest
     sends it to one rank of each node that lacks it, which passes it on inside its node (point to point,
-    :func:`~fabric_multimodel.comm.collectives.relay_bytes`).
+    :func:`~fabric_multimodel.comm.relay.relay_bytes`).
 
     What they lack: with an anchored :class:`~fabric_multimodel.Averager` in ``state`` (DiLoCo,
     ``comm_dtype``), only the Averager's state (the anchors, which are the global model, and the outer

@@ -49,8 +49,8 @@ from torch.optim import Optimizer
 
 from fabric_multimodel.averaging.arguments import plain_module
 from fabric_multimodel.checkpoints.files import TEMPORARY_INFIX, CheckpointError, replica_path, validated
-from fabric_multimodel.comm.collectives import relay_bytes
 from fabric_multimodel.comm.flat import local_part, placed_like
+from fabric_multimodel.comm.relay import relay_bytes
 
 #: The file torch.distributed.checkpoint writes last: a folder without it is not a complete checkpoint.
 METADATA = ".metadata"
@@ -220,7 +220,7 @@ def resume_latest_sharded(
     over the world agrees on the newest and on where each site loads it from, and each site that can
     loads its folder (:func:`load_sharded`'s collectives, inside the site). A site that can read no
     folder at that step receives what it needs from the first site that loaded one, once, from that
-    site's first process to its own (point to point: :func:`~fabric_multimodel.comm.collectives.relay_bytes`,
+    site's first process to its own (point to point: :func:`~fabric_multimodel.comm.relay.relay_bytes`,
     with ``progress`` as there), into a hidden folder beside its own that its processes load and then
     remove (they share its disk): with an anchored Averager past warm-up, its state and the plain values
     only (the site's modules start from the anchors, its inner optimizers keep their state, as

@@ -36,13 +36,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fabric_multimodel.plan import payloads
+
 #: Elements per block scale of a low-bit payload (the library's :mod:`~fabric_multimodel.comm.quantized` rounds).
 BLOCK_SIZE = 32
 #: Bytes of one block scale (bf16).
 SCALE_BYTES = 2
 #: Bytes per element of each payload, by the examples' ``--comm-dtype`` names and their short ones.
-CODE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float8_e4m3fn": 1.0, "float8_e5m2": 1.0, "float4_e2m1fn_x2": 0.5}
-SHORT_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "float8_e4m3fn", "fp4": "float4_e2m1fn_x2"}
+CODE_BYTES = {name: payload.bytes for name, payload in payloads.PAYLOADS.items()}
 #: Synchronous DDP's gradient buckets (torch's default ``bucket_cap_mb``).
 DDP_BUCKET_BYTES = 25 * 2**20
 #: The share of a step that is its backward (the forward a third: twice the FLOPs backward).
@@ -105,9 +106,10 @@ class Setting:
     comm_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        dtype = SHORT_NAMES.get(self.comm_dtype, self.comm_dtype)
-        if dtype not in CODE_BYTES:
-            raise ValueError(f"Setting: `comm_dtype` must be one of {sorted(CODE_BYTES)} (or fp32, bf16, fp8, fp4).")
+        try:
+            dtype = payloads.payload_name(self.comm_dtype)
+        except ValueError as error:
+            raise ValueError(f"Setting: `comm_dtype`: {error}.") from None
         object.__setattr__(self, "comm_dtype", dtype)
         if not (self.params > 0 and self.step_s > 0):
             raise ValueError(f"Setting: `params` and `step_s` must be positive, got {self.params}, {self.step_s}.")

@@ -29,9 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from fabric_multimodel.plan.cost_model import (
-    CODE_BYTES,
     LIBRARY,
-    SHORT_NAMES,
     Assumptions,
     Setting,
     bandwidth_for,
@@ -42,6 +40,7 @@ from fabric_multimodel.plan.cost_model import (
     utilisation,
     wire_bytes,
 )
+from fabric_multimodel.plan.payloads import PAYLOADS
 from fabric_multimodel.plan.rates import RATE_FORMS, parse_rate
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -101,8 +100,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--comm-dtype",
         default="float32",
-        choices=[*CODE_BYTES, *SHORT_NAMES],
-        help="what a round sends (the examples' names, or fp32, bf16, fp8, fp4)",
+        choices=[*PAYLOADS, *(p.short for p in PAYLOADS.values())],
+        help="what a round sends (the examples' names, or their short ones: fp32, bf16, fp8, fp4, ...)",
     )
     p.add_argument("--bandwidth", type=_rate, help=f"the link of each site, each way: {RATE_FORMS}")
     p.add_argument("--target", type=float, help="the share of the time computing to reach, e.g. 0.95")
@@ -143,13 +142,12 @@ def describe(setting: Setting) -> str:
     """A setting in the examples' words."""
     if setting.period is None:
         return f"synchronous DDP, {setting.sites} sites x {setting.devices}"
-    short = {v: k for k, v in SHORT_NAMES.items()}
     text = f"period {setting.period}"
     if setting.fragments > 1:
         text += f", {setting.fragments} fragments"
     if setting.overlap_steps:
         text += f", overlap {setting.overlap_steps}"
-    return f"{text}, {short.get(setting.comm_dtype, setting.comm_dtype)}, {setting.sites} sites x {setting.devices}"
+    return f"{text}, {PAYLOADS[setting.comm_dtype].short}, {setting.sites} sites x {setting.devices}"
 
 
 def _row(setting: Setting, rate: float | None, target: float | None, assumptions: Assumptions) -> list[str]:

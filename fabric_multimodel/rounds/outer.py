@@ -1,6 +1,6 @@
 """DiLoCo's outer step: the anchor moves by an optimizer step on the mean pseudo-gradient.
 
-``OuterRound`` is a :class:`~fabric_multimodel.rounds.round.DeltaRound` whose anchor is not simply
+``OuterRound`` is a :class:`~fabric_multimodel.rounds.delta.DeltaRound` whose anchor is not simply
 moved by the mean pseudo-gradient but stepped by an *outer optimizer* (DiLoCo: SGD with lr 0.7,
 momentum 0.9, Nesterov), for which that mean is the gradient. The optimizer is built once by the
 user's factory over the anchor's copies of the parameters, so the model's own ``param.grad`` is
@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from fabric_multimodel.comm.collectives import ProcessGroup
 from fabric_multimodel.comm.flat import FlatStorage, Part, local_part
-from fabric_multimodel.rounds.round import DeltaRound
+from fabric_multimodel.rounds.delta import DeltaRound
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], Optimizer]
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from fabric_multimodel.plan.payloads import LOW_BIT, PAYLOADS
 from fabric_multimodel.run import launch
 
 if TYPE_CHECKING:
@@ -48,8 +49,7 @@ if TYPE_CHECKING:
     from fabric_multimodel.membership.membership import Membership
 
 #: The payloads ``--comm-dtype`` takes (torch's names); the float8 and float4 ones are block-quantized.
-COMM_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2")
-LOW_BIT = COMM_DTYPES[2:]
+COMM_DTYPES = tuple(PAYLOADS)
 
 
 def _word_or(word: str, number: Callable[[str], Any], what: str) -> Callable[[str], Any]:

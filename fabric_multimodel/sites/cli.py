@@ -29,6 +29,23 @@ def _rate_argument(text: str) -> int | None:
 
 def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     """The tool's options (before ``--``), and ``script`` and ``args`` (after it)."""
+    p = _parser()
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:split])
+    if not argv[split + 1 :]:
+        p.error("give the script after --, as in: --sites 2 --devices 1 --bandwidth 10mbit -- train.py ARGS")
+    args.script, args.args = argv[split + 1], argv[split + 2 :]
+    if (args.at is not None or args.back is not None or args.seen is not None) and args.drop_site is None:
+        p.error("--at, --back and --seen need --drop-site")
+    if args.drop_site is not None and args.at is None:
+        p.error("--drop-site needs --at SECONDS")
+    if (args.join_site is None) != (args.join_at is None):
+        p.error("--join-site and --join-at go together: --join-site SITE --join-at SECONDS")
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m fabric_multimodel.sites",
         usage="%(prog)s --sites S --devices D --bandwidth RATE [options] -- SCRIPT [ARGS ...]",
@@ -76,19 +93,7 @@ def parse_arguments(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--port", type=int, default=29500, help="site 0's main or rendezvous port (default 29500)")
     p.add_argument("--timeout", type=float, help="stop everything after this many seconds (exit code 124)")
-    argv = list(argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    if not argv[split + 1 :]:
-        p.error("give the script after --, as in: --sites 2 --devices 1 --bandwidth 10mbit -- train.py ARGS")
-    args.script, args.args = argv[split + 1], argv[split + 2 :]
-    if (args.at is not None or args.back is not None or args.seen is not None) and args.drop_site is None:
-        p.error("--at, --back and --seen need --drop-site")
-    if args.drop_site is not None and args.at is None:
-        p.error("--drop-site needs --at SECONDS")
-    if (args.join_site is None) != (args.join_at is None):
-        p.error("--join-site and --join-at go together: --join-site SITE --join-at SECONDS")
-    return args
+    return p
 
 
 def _churn(text: str) -> Churn:

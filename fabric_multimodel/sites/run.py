@@ -229,26 +229,8 @@ def run_sites(
         assert result.code == 0, result.logs
     """
     with _signals_raise():  # already for the kernel probe, which makes a namespace too
-        try:
-            bits = parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth
-        except ValueError as error:
-            raise SitesError(f"--bandwidth {error}") from None
-        if launcher not in ("fabric", "torchrun", "live"):
-            raise SitesError(f"--launcher must be fabric, torchrun or live, got {launcher!r}")
-        if drop is not None:
-            drop.check(sites, launcher)
-        if join is not None:
-            join.check(sites, launcher, drop)
-        if churn is not None:
-            churn.check(launcher, drop, join, sites)
-        if coordinator is not None and launcher != "live":
-            raise SitesError("a coordinator command needs the live launcher (--launcher live)")
+        bits = _check_settings(script, sites, devices, bandwidth, launcher, drop, join, churn, cpu, coordinator)
         cpu = dict(cpu or {})
-        for site, share in cpu.items():
-            check_share(site, share, sites)
-        problem = preconditions(script, sites, devices) or (cpu_controller_problem() if cpu else None)
-        if problem:
-            raise SitesError(problem)
         net = Sites(sites + (launcher == "live"), bits)  # live: the coordinator's host is the last namespace
         folder = Path(out) if out is not None else Path("runs") / "sites" / net.run_id
         if folder.exists():
@@ -264,11 +246,7 @@ def run_sites(
             say(_link_line(net, sites, devices, measured, limits))
             environment = site_environment(net.run_id, launcher, env)
             options: dict[str, Any] = {"sites": net, "devices": devices, "port": port, "max_restarts": max_restarts}
-            commands = []
-            for r in range(sites):
-                own = [arg.replace("{site}", str(r)) for arg in args]
-                prefix = limits[r].prefix() if r in limits else []
-                commands.append([*prefix, *site_command(launcher, script, own, site=r, **options)])
+            commands = [_site_command(r, script, args, launcher, limits, options) for r in range(sites)]
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
             host = None  # the coordinator's launcher
             if launcher == "live":
@@ -286,6 +264,55 @@ def run_sites(
                 for limit in limits.values():
                     limit.remove()
         return run.result(measured, folder, drop)
+
+
+def _check_settings(
+    script: str | Path,
+    sites: int,
+    devices: int,
+    bandwidth: str | int | None,
+    launcher: str,
+    drop: Drop | None,
+    join: Join | None,
+    churn: Churn | None,
+    cpu: Mapping[int, float] | None,
+    coordinator: Sequence[str] | None,
+) -> int | None:
+    """``run_sites``' settings checked before anything is made (a ``SitesError`` naming the flag); the link's rate."""
+    try:
+        bits = parse_rate(bandwidth) if isinstance(bandwidth, str) else bandwidth
+    except ValueError as error:
+        raise SitesError(f"--bandwidth {error}") from None
+    if launcher not in ("fabric", "torchrun", "live"):
+        raise SitesError(f"--launcher must be fabric, torchrun or live, got {launcher!r}")
+    if drop is not None:
+        drop.check(sites, launcher)
+    if join is not None:
+        join.check(sites, launcher, drop)
+    if churn is not None:
+        churn.check(launcher, drop, join, sites)
+    if coordinator is not None and launcher != "live":
+        raise SitesError("a coordinator command needs the live launcher (--launcher live)")
+    for site, share in (cpu or {}).items():
+        check_share(site, share, sites)
+    problem = preconditions(script, sites, devices) or (cpu_controller_problem() if cpu else None)
+    if problem:
+        raise SitesError(problem)
+    return bits
+
+
+def _site_command(
+    site: int,
+    script: str | Path,
+    args: Sequence[str],
+    launcher: str,
+    limits: Mapping[int, SiteCpu],
+    options: dict[str, Any],
+) -> list[str]:
+    """Site ``site``'s command: its launcher's, under its CPU limit, ``{site}`` in ``args`` made its index."""
+    own = [arg.replace("{site}", str(site)) for arg in args]
+    prefix = limits[site].prefix() if site in limits else []
+    return [*prefix, *site_command(launcher, script, own, site=site, **options)]
 
 
 def _link_line(net: Sites, sites: int, devices: int, measured: float | None, limits: Mapping[int, SiteCpu]) -> str:

@@ -303,22 +303,13 @@ class Averaging(_CallbackBase):
         on the same batches. Replicas are identical when ``fit`` ends. With ``accumulate_grad_batches``,
         make ``period`` and ``warmup_steps`` multiples of it, so that rounds follow optimizer steps.
 
-        A forward whose output no backward reaches (``self.generator(z).detach()`` in the
-        discriminator step, with the generator trainable) leaves that model's DDP waiting for
-        gradients, and the model's first backward after warm-up still allreduces them, once. Run such
-        forwards under ``torch.no_grad()``, or after ``toggle_optimizer`` selected the other optimizer
-        (as Lightning's GAN tutorial does).
-
         Built on :class:`fabric_multimodel.Averager`, with the same options: an
         :class:`~fabric_multimodel.AveragerConfig`, or its fields as keyword arguments (DiLoCo:
         ``outer_optimizer``; ``comm_dtype``, ``overlap_steps``, ``fragments``, ...; not ``node_period``).
         Needs ``Trainer(strategy=MultiModelDDPStrategy(...))``.
 
-        Checkpoints: its state (the batch count, rounds, and for DiLoCo the anchor and the outer
-        optimizer) goes into the Trainer checkpoint, and ``fit(ckpt_path=...)`` continues the schedule
-        where it stopped. A checkpoint holds rank 0's model: to resume bitwise, save it on a batch
-        that ended with a round (e.g. every epoch, with an epoch length a multiple of ``period`` after
-        warm-up) and set ``average_optimizer_state``, so every rank's optimizer state is rank 0's too.
+        Checkpoints (its state goes into the Trainer's, and ``fit(ckpt_path=...)`` continues the schedule) and
+        forwards no backward reaches: the Trainer guide.
 
         Args:
             period: average every ``period`` batches after warm-up.
