@@ -124,7 +124,10 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         (["--timeout", "-1"], "--timeout must be a positive number"),
         (["--coordinator", "h:1", "--site", "a"], "--coordinator needs --period"),
         (["--coordinator", "h:1", "--period", "8", "--site", ""], "--coordinator needs --site NAME"),
-        (["--coordinator", "h:1", "--period", "8", "--site", "a#b"], "--coordinator needs --site NAME (no '#')"),
+        (
+            ["--coordinator", "h:1", "--period", "8", "--site", "a#b"],
+            "--coordinator needs --site NAME: a site's name is 1 to 64",
+        ),
         (["--min-sites", "0"], "--min-sites must be >= 1"),
     ],
 )

@@ -100,3 +100,36 @@ def test_a_loop_whose_averager_counts_no_step_says_so() -> None:
         Loop(None, 3, checkpoint_every=-1, stop=False)
     with pytest.raises(ValueError, match="`state`"):
         Loop(None, 3, checkpointer=object(), stop=False)  # type: ignore[arg-type]
+
+
+def _refusals(fabric, folder: str, damage: str) -> tuple[str, str, int, bool]:
+    """A checkpoint of step 3, then the two ways a run could lose it: a save of a state with no step (refused before
+    anything is written), and a resume of a folder whose checkpoint cannot be resumed (``damage``: none is whole on
+    any rank). Returns both errors, the step the file still holds and whether its bytes are untouched."""
+    torch.manual_seed(0)
+    (model,) = setup_models(fabric, m=mlp([3, 8, 2]))
+    checkpointer = Checkpointer(fabric, folder)
+    path = checkpointer.save({"model": model, "step": 3})
+    with pytest.raises(ValueError) as no_step:
+        checkpointer.save({"model": model})  # a loop's state without its step
+    fabric.barrier()
+    kept = torch.load(path, weights_only=True)["step"]
+    if fabric.global_rank == 0:
+        if damage == "no step":
+            torch.save({"model": model.state_dict()}, path)
+        else:  # torn: the first half of the file
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    fabric.barrier()
+    before = path.read_bytes()
+    with pytest.raises(ValueError) as unresumable:
+        Checkpointer(fabric, folder).resume({"model": model, "step": 0})
+    return str(no_step.value), str(unresumable.value), kept, path.read_bytes() == before
+
+
+@pytest.mark.parametrize("damage", ["no step", "torn"])
+def test_a_checkpoint_is_never_lost_to_a_silent_fresh_start(worlds, tmp_path, damage):
+    for no_step, unresumable, kept, untouched in worlds(2).run(_refusals, str(tmp_path), damage):
+        assert "needs 'step'" in no_step and kept == 3
+        assert str(tmp_path / "checkpoint.pt") in unresumable and "nothing was overwritten" in unresumable
+        assert ("it has no step" if damage == "no step" else "not a complete PyTorch checkpoint") in unresumable
+        assert untouched and "\n" not in unresumable

@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 
 from fabric_multimodel import Averager
 from fabric_multimodel.comm.collectives import POLL_S, wait_all
-from fabric_multimodel.membership.membership import Membership, RunEnded, _Decision, coordinator_store, site_of
+from fabric_multimodel.membership.membership import (
+    MAX_SITE_NAME,
+    Membership,
+    RunEnded,
+    _Decision,
+    check_site_name,
+    coordinator_store,
+    site_of,
+)
 from fabric_multimodel.run.launch import free_port, process_context
 from tests.membership_sites import averaging_site, counting_site
 
@@ -383,3 +391,40 @@ def test_a_wait_ends_when_its_collective_does_or_once_told_to_abandon_it(polls: 
     assert not stuck.waited and len(asked) == told_after + 1
     assert time.monotonic() - start >= told_after * POLL_S
     assert all(b - a >= POLL_S * 0.9 for a, b in itertools.pairwise(asked))
+
+
+NAME_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+
+
+@given(st.text(alphabet=NAME_CHARACTERS, min_size=1, max_size=MAX_SITE_NAME))
+def test_a_site_name_of_the_allowed_characters_is_taken_as_it_is(name: str) -> None:
+    if name[0] in "._-":
+        with pytest.raises(ValueError, match="starting with a letter or digit"):
+            check_site_name(name)
+    else:
+        assert check_site_name(name) == name and site_of(f"{name}#3") == name
+
+
+@given(st.one_of(st.text(max_size=3 * MAX_SITE_NAME), st.binary(max_size=8), st.integers(), st.none()))
+def test_any_other_site_name_is_one_line_that_names_the_rule_before_the_store_is_reached(name: object) -> None:
+    valid = isinstance(name, str) and bool(name) and len(name) <= MAX_SITE_NAME and name[0] not in "._-"
+    if valid and all(c in NAME_CHARACTERS for c in name):  # type: ignore[union-attr]
+        return
+    with pytest.raises(ValueError) as refused:
+        Membership("127.0.0.1:1", name, timeout=0.1)  # type: ignore[arg-type]  # port 1: nothing is reached
+    message = str(refused.value)
+    assert "`site`" in message and f"1 to {MAX_SITE_NAME} letters" in message and "\n" not in message
+    assert len(message) < 400  # a 10,000-character name is shown cut
+
+
+def test_a_ten_thousand_character_site_name_is_refused_by_the_flags_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from fabric_multimodel.run.cli import Parser, add_membership_arguments, check_membership_arguments
+
+    parser = Parser("train.py", "a script")
+    parser.add_argument("--period", type=int, default=8)
+    add_membership_arguments(parser)
+    args = parser.parse_args(["--coordinator", "127.0.0.1:1", "--site", "x" * 10_000])
+    with pytest.raises(SystemExit):
+        check_membership_arguments(parser, args)
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "--site NAME" in error and "10000 characters" in error

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from fabric_multimodel.checkpoints.files import (
     CheckpointError,
     CheckpointWriter,
@@ -179,7 +181,9 @@ class Checkpointer:
             return path
 
     def save(self, state: Mapping[str, Any]) -> Path:
-        """A checkpoint now (call it on every rank); the path it went to."""
+        """A checkpoint now (call it on every rank); the path it went to. ``state`` holds ``"step"``: what
+        :meth:`resume` agrees the newest copy by (a ``ValueError`` before anything is written, else)."""
+        _check_step(state)
         if self.sharded:
             return save_sharded(self.path, state)
         if self.local:
@@ -193,6 +197,7 @@ class Checkpointer:
     def after_round(self, state: Mapping[str, Any]) -> None:
         """After a round (where the replicas are the same, or anchored): a checkpoint written in the background,
         or, sharded, each site's folder written by its processes (nothing crosses sites)."""
+        _check_step(state)
         if self.sharded:
             start = time.perf_counter()
             save_sharded(self.path, state)
@@ -216,4 +221,16 @@ class Checkpointer:
         return (
             f"checkpoints in the background: {len(copies)}, training thread {copy_ms:.2f} ms each (median),"
             f" background write {write_ms:.1f} ms"
+        )
+
+
+def _check_step(state: Mapping[str, Any]) -> None:
+    """A state to save holds its step as a whole number: a resume finds the newest copy by it."""
+    step = state.get("step")
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+            f"Checkpointer: the state to save needs 'step', a whole number >= 0 (the loop's step: a resume finds the"
+            f" newest copy by it), got {step!r}; add it: checkpointer.save({{**state, 'step': step}})"
         )

@@ -123,8 +123,10 @@ def resume_latest(
     start from the anchors. Otherwise the whole checkpoint travels. ``progress(bytes_done, bytes_total,
     seconds)`` is called on sending and receiving ranks every few seconds of a transfer and at its end.
     Then every rank loads into ``state`` as :func:`~fabric_multimodel.checkpoints.files.load_checkpoint` does
-    (``validate`` first). Returns None, changing nothing, when no rank has a checkpoint: a fresh start.
-    Call it on every rank, before the first collective of training.
+    (``validate`` first). Returns None, changing nothing, when no rank has a checkpoint: a fresh start. A file that
+    is there but cannot be resumed (damaged, half-written, without ``step_key``) when no rank holds a whole one is a
+    :class:`~fabric_multimodel.checkpoints.files.CheckpointError` on every rank naming it: never a silent fresh start
+    that would overwrite it. Call it on every rank, before the first collective of training.
 
     Example::
 
@@ -133,11 +135,12 @@ def resume_latest(
     """
     path = Path(path)
     clock = _Phases()
+    broken: CheckpointError | None = None
     try:
         mine: dict[str, Any] | None = read_checkpoint(path, expected=[step_key]) if path.is_file() else None
-    except CheckpointError:
-        mine = None  # a file that is not whole was never a checkpoint to resume from
-    own_step = int(mine[step_key]) if mine is not None else -1
+    except CheckpointError as error:  # another rank's whole copy may replace it; if none has one, a clear stop
+        mine, broken = None, error
+    own_step = int(mine[step_key]) if mine is not None else (_BROKEN if broken is not None else _NONE)
     clock.mark("read")
     world, rank = group_size(), group_rank()
     steps, nodes = [own_step], [0]
@@ -150,6 +153,7 @@ def resume_latest(
     clock.mark("agree")
     newest = max(steps)
     if newest < 0:
+        _refuse_broken(path, steps, broken)
         return None
     source = steps.index(newest)
     plan = _plan(steps, nodes, newest)
@@ -178,6 +182,21 @@ def resume_latest(
             averager.restore_global()  # the modules kept their older values: start them from the global model
     clock.mark("load")
     return Resumed(newest, source, bool(plan), extra, clock.seconds, size, kept, own_step)
+
+
+# What a rank reports in place of a step: no checkpoint file at all, or one that cannot be resumed.
+_NONE, _BROKEN = -1, -2
+
+
+def _refuse_broken(path: Path, steps: list[int], broken: CheckpointError | None) -> None:
+    """No rank holds a whole checkpoint: where one holds a file that cannot be resumed, an error on every rank (the
+    same steps on each) rather than a fresh start that would overwrite it."""
+    if _BROKEN in steps:
+        reason = str(broken) if broken is not None else f"{path}: rank {steps.index(_BROKEN)}'s copy cannot be resumed"
+        raise CheckpointError(
+            f"{reason}; no rank holds a whole checkpoint to resume from, and nothing was overwritten: restore it, or"
+            " move it aside to start afresh"
+        )
 
 
 def _kept(state: dict[str, Any], checkpoint: dict[str, Any]) -> set[str]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -98,6 +99,28 @@ class Epoch:
     def sites(self) -> tuple[str, ...]:
         """The members' site names, in rank order."""
         return tuple(site_of(token) for token in self.members)
+
+
+#: The longest site name: a name rides in store keys and values, a status page's table and every log line.
+MAX_SITE_NAME = 64
+_SITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_site_name(site: object) -> str:
+    """``site`` when it is a name a site may have: 1 to ``MAX_SITE_NAME`` letters, digits, ``.``, ``_`` or ``-``, the
+    first a letter or digit; else ``ValueError`` saying so, before anything is written to the store.
+
+    Example::
+
+        check_site_name("berlin-2")  # 'berlin-2'
+    """
+    if not isinstance(site, str) or len(site) > MAX_SITE_NAME or not _SITE_NAME.fullmatch(site):
+        shown = repr(site) if len(repr(site)) <= 80 else f"{repr(site)[:60]}... ({len(str(site))} characters)"
+        raise ValueError(
+            f"a site's name is 1 to {MAX_SITE_NAME} letters, digits, '.', '_' or '-', starting with a letter or"
+            f" digit; got {shown}"
+        )
+    return site
 
 
 def site_of(token: str) -> str:
@@ -198,8 +221,10 @@ class Membership:
             raise ValueError(
                 f"Membership: `coordinator` must be 'host:port' or 'etcd://host:port,host:port,...'; {error}."
             ) from None
-        if not site or "#" in site or "," in site or "|" in site:
-            raise ValueError(f"Membership: `site` must be a non-empty name without '#', ',' or '|', got {site!r}.")
+        try:
+            check_site_name(site)
+        except ValueError as error:
+            raise ValueError(f"Membership: `site`: {error}.") from None
         for name, value in (("min_sites", min_sites), ("max_sites", max_sites)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Membership: `{name}` must be a positive int, got {value!r}.")

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from fabric_multimodel.membership.membership import check_site_name
 from fabric_multimodel.plan.payloads import LOW_BIT, PAYLOADS
 from fabric_multimodel.run import launch
 
@@ -322,8 +323,11 @@ def check_membership_arguments(parser: argparse.ArgumentParser, args: argparse.N
         parser.error(f"--min-sites must be >= 1, got {args.min_sites}")
     if args.coordinator and not args.period:
         parser.error("--coordinator needs --period (N or auto): the sites average in rounds")
-    if args.coordinator and (not args.site or "#" in args.site):
-        parser.error(f"--coordinator needs --site NAME (no '#'), got {args.site!r}")
+    if args.coordinator:
+        try:
+            check_site_name(args.site)
+        except ValueError as error:
+            parser.error(f"--coordinator needs --site NAME: {error}")
 
 
 def membership(
