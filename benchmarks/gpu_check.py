@@ -18,6 +18,9 @@ the next one starts), all of them within ``--budget-s``:
    one process each; their ``final:`` lines (the ring GAN's modes captured and high-quality fraction).
 5. ``averaging-cost``: ``benchmarks/averaging_cost.py --quick --accelerator cuda`` at 2 ranks; its
    summary table.
+6. ``trainer``: the Trainer adapter (``MultiModelDDPStrategy``) on the GPU: a fit in ``16-mixed``, the memory
+   CUDA still holds after its teardown, and with 4 GPUs or more a fit on device ids ``[1, 3]`` (not
+   consecutive: its barriers must name the right devices).
 
 On the lent GPU machine (the device tool's ``run``, ``timeout_s`` 420; about 4 minutes)::
 
@@ -43,6 +46,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import shlex
 import shutil
@@ -159,6 +163,8 @@ def plan(args: argparse.Namespace, environment: dict[str, Any], scratch: Path) -
     files = TEST_FILES[-1:] if dry else TEST_FILES
     pytest = ["-m", "pytest", *files, "-q", "-m", "device", "--device", accelerator, "-p", "no:cacheprovider"]
     ranks = " and ".join(map(str, gloo["sizes"]))
+    trainer_spec = {"accelerator": accelerator, "gpus": 0 if dry else environment.get("cuda_devices", 0)}
+    trainer_result = scratch / "trainer.json"
     return [
         Step(
             name="tests",
@@ -200,6 +206,16 @@ def plan(args: argparse.Namespace, environment: dict[str, Any], scratch: Path) -
             needs=("torch", FABRIC),
             gpu=True,
             read=read_cost,
+        ),
+        Step(
+            name="trainer",
+            title=f"the Trainer adapter on {accelerator} ({'bf16' if dry else '16'}-mixed)",
+            argv=python(THIS, "--step", "trainer", "--spec", json.dumps(trainer_spec), "--result", str(trainer_result)),
+            timeout_s=120,
+            needs=("torch", "lightning|pytorch_lightning"),
+            gpu=True,
+            read=read_trainer,
+            result=trainer_result,
         ),
     ]
 
@@ -938,6 +954,90 @@ def averaged_once(fabric: Any, spec: dict[str, Any], collectives: Collectives) -
     return {**found, "ranks": fabric.world_size}
 
 
+# --- the Trainer adapter ---------------------------------------------------------------------------------
+
+
+def trainer_step(spec: dict[str, Any]) -> dict[str, Any]:
+    """A fit of two models through ``MultiModelDDPStrategy`` in mixed precision, the memory the device still holds
+    after the Trainer's teardown, and with 4 GPUs a fit on device ids ``[1, 3]``."""
+    import torch
+
+    try:
+        import lightning.pytorch as pl
+
+        from fabric_multimodel.lightning import MultiModelDDPStrategy
+    except ImportError:
+        import pytorch_lightning as pl  # type: ignore[no-redef]
+
+        from fabric_multimodel.pytorch_lightning import MultiModelDDPStrategy  # type: ignore[assignment]
+    cuda = spec["accelerator"] == "cuda"
+    found: dict[str, Any] = {"fits": [], "ok": True}
+    layouts = [("16-mixed" if cuda else "bf16-mixed", 1)] + ([("16-mixed", [1, 3])] if spec["gpus"] >= 4 else [])
+    for precision, devices in layouts:
+        before = torch.cuda.memory_allocated() if cuda else 0
+        start = time.perf_counter()
+        try:
+            module = _two_models(pl)()
+            data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=8)
+            trainer = pl.Trainer(
+                accelerator=spec["accelerator"], devices=devices, strategy=MultiModelDDPStrategy(),
+                precision=precision, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False,
+            )  # fmt: skip
+            trainer.fit(module, data)
+            loss = float(trainer.callback_metrics.get("loss", torch.tensor(float("nan"))))
+            del trainer
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            held = (torch.cuda.memory_allocated() - before) if cuda else 0
+            model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+            fit = {"precision": precision, "devices": str(devices), "ok": True, "loss": loss, "held_bytes": held}
+            fit["model_bytes"] = model_bytes
+            fit["ok"] = math.isfinite(loss) and held <= model_bytes  # at most the model, if it stayed on the device
+        except Exception as error:  # reported in the step's table, the next layout still runs
+            fit = {"precision": precision, "devices": str(devices), "ok": False, "error": describe(error)}
+        fit["seconds"] = time.perf_counter() - start
+        found["fits"].append(fit)
+        found["ok"] = found["ok"] and fit["ok"]
+    if spec["gpus"] and spec["gpus"] < 4:
+        found["notes"] = [f"device ids [1, 3] need 4 GPUs; this machine has {spec['gpus']}"]
+    return found
+
+
+def _two_models(pl: Any) -> Any:
+    import torch
+    from torch import nn
+
+    class TwoModels(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.generator = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+            self.critic = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = self.critic(self.generator(batch[0])).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return TwoModels
+
+
+def read_trainer(result: Path, _: str) -> Reading:
+    data = json.loads(result.read_text())
+    rows = [
+        [f["precision"], f["devices"], "ok" if f["ok"] else f"**{f.get('error', 'failed')}**", f.get("loss", "-"),
+         f.get("held_bytes", "-"), f"{f['seconds']:.1f}"]
+        for f in data["fits"]
+    ]  # fmt: skip
+    figures = {f"fit {f['precision']} on {f['devices']}": "ok" if f["ok"] else "failed" for f in data["fits"]}
+    table = markdown_table(["precision", "devices", "status", "loss", "bytes held after teardown", "s"], rows)
+    return Reading(data["ok"], figures, [table], data.get("notes", []), raw=data)
+
+
 # --- the command line ----------------------------------------------------------------------------------
 
 
@@ -953,7 +1053,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--example-steps", type=int, default=None, help="steps of each example (default: 300; dry run: 12)")
     # One step's body, run by the script itself in a subprocess.
-    p.add_argument("--step", choices=["environment", "worlds"], help=argparse.SUPPRESS)
+    p.add_argument("--step", choices=["environment", "worlds", "trainer"], help=argparse.SUPPRESS)
     p.add_argument("--spec", type=json.loads, default={}, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -989,6 +1089,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.step == "worlds":
         found = worlds_step(args.spec)
         args.result.write_text(json.dumps(found))
+        return 0 if found["ok"] else 1
+    if args.step == "trainer":
+        found = trainer_step(args.spec)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # Lightning ran this script again on each other device
+            args.result.write_text(json.dumps(found))
         return 0 if found["ok"] else 1
     clock = Clock()
     scratch = Path(tempfile.mkdtemp(prefix=f"{NAME}-"))

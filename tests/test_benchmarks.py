@@ -284,7 +284,7 @@ def test_averaging_period_quick(tmp_path):
 
 # --- gpu_check --------------------------------------------------------------------------------
 
-GPU_CHECK_STEPS = ["environment", "tests", "gloo", "nccl", "gan", "lm", "averaging-cost"]
+GPU_CHECK_STEPS = ["environment", "tests", "gloo", "nccl", "gan", "lm", "averaging-cost", "trainer"]
 
 
 @pytest.mark.slow
@@ -311,6 +311,8 @@ def test_gpu_check_dry_run_reports_every_step_ok(tmp_path):
     assert "rank 1 on cpu (gloo; Fabric's local_rank 0, node_rank 1)" in report.read_text()
     assert raw["gan"]["raw"]["steps"] == raw["lm"]["raw"]["steps"] == "12"
     assert raw["averaging-cost"]["tables"][0].startswith("| model")
+    (fit,) = raw["trainer"]["raw"]["fits"]  # no GPU: one fit, in bf16-mixed on the CPU
+    assert fit["ok"] and fit["precision"] == "bf16-mixed" and fit["held_bytes"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the script reports on a machine without a GPU")

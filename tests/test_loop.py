@@ -114,6 +114,7 @@ def _refusals(fabric, folder: str, damage: str) -> tuple[str, str, int, bool]:
         checkpointer.save({"model": model})  # a loop's state without its step
     fabric.barrier()
     kept = torch.load(path, weights_only=True)["step"]
+    fabric.barrier()  # every rank read it before rank 0 damages it
     if fabric.global_rank == 0:
         if damage == "no step":
             torch.save({"model": model.state_dict()}, path)
