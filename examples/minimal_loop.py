@@ -17,6 +17,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from fabric_multimodel import Averager, Checkpointer, Loop, Membership, setup_models
+from fabric_multimodel.membership.names import SITE_NAME_RULE, is_site_name
 from fabric_multimodel.run.cli import configure_logging
 from fabric_multimodel.run.launch import start_fabric
 
@@ -32,6 +33,8 @@ def main() -> int:
     p.add_argument("--out", default="runs/minimal", help="checkpoints; a run started again resumes from here")
     p.add_argument("--coordinator", help="HOST:PORT: this world is site $SITE of a run whose sites come and go")
     args = p.parse_args()
+    if args.coordinator and not is_site_name(os.environ.get("SITE", "")):
+        p.error(f"SITE={os.environ.get('SITE', '')[:40]!r}...: {SITE_NAME_RULE}")  # before the coordinator hears of it
     configure_logging("INFO")  # the library's lines: epochs, joins and losses, resumes
     fabric = start_fabric(Fabric)  # in the world `fabric run`, torchrun or the sites tool made, or one process
     torch.manual_seed(0)

@@ -18,15 +18,9 @@ from hypothesis import strategies as st
 
 from fabric_multimodel import Averager
 from fabric_multimodel.comm.collectives import POLL_S, wait_all
-from fabric_multimodel.membership.membership import (
-    MAX_SITE_NAME,
-    Membership,
-    RunEnded,
-    _Decision,
-    check_site_name,
-    coordinator_store,
-    site_of,
-)
+from fabric_multimodel.membership.membership import NAMELESS, Membership, RunEnded, _Decision
+from fabric_multimodel.membership.names import MAX_SITE_NAME, check_site_name, site_of
+from fabric_multimodel.membership.stores import coordinator_store
 from fabric_multimodel.run.launch import free_port, process_context
 from tests.membership_sites import averaging_site, counting_site
 
@@ -62,12 +56,15 @@ def _run_sites(
     processes: int = 1,
     ghost: bool = False,
     on_registered: Callable[[], None] = lambda: None,
+    nameless: bool = False,
 ) -> dict[str, Any]:
     """Start the sites of ``plans`` one after the other, each once the one before has registered (so that the first
     is rank 0 of the first epoch); once ``lost`` reported its last round, start ``joiner``; collect every report
     (``processes`` per site: each site a gloo world of its own, its process i > 0 reporting as ``name/i``). With
     ``ghost``, a site registers once the others did and never beats (it died waiting): ``reports["ghost"]`` is
-    what its ``admit/`` key says at the end. ``on_registered()`` is called once every site of ``plans`` registered."""
+    what its ``admit/`` key says at the end. ``on_registered()`` is called once every site of ``plans`` registered.
+    With ``nameless``, a registration then takes its number and never writes its name (its site died registering):
+    ``reports["nameless"]`` is what its ``join/`` key says at the end."""
     queue = process_context().Queue()
     run = next(iter(plans.values()))["run"]
     coordinator = coordinator_store(address, timeout=60)  # held: the prefix does not keep an etcd store alive
@@ -88,6 +85,8 @@ def _run_sites(
     if ghost:
         number = store.add("joins", 1)
         store.set(f"join/{number}", f"ghost#{number}")
+    if nameless:
+        unnamed = store.add("joins", 1)
     reports: dict[str, Any] = {}
     try:
         while lost not in reports:
@@ -107,13 +106,16 @@ def _run_sites(
     if ghost:
         key = f"admit/ghost#{number}"
         reports["ghost"] = store.get(key).decode() if store.check([key]) else None
+    if nameless:
+        reports["nameless"] = store.get(f"join/{unnamed}").decode() if store.check([f"join/{unnamed}"]) else None
     return reports
 
 
 def test_sites_agree_on_each_epoch_through_a_loss_and_a_join(coordinator: str) -> None:
     """Site a, the first to register and so rank 0 of the first epoch, is lost; then d registers. Before that, a
     site registers and dies before it is admitted (it never beats): it is passed over, and no one waits the group's
-    timeout for it. (The live LM run in test_sites.py loses another rank, where a survivor waits on the other
+    timeout for it; and one takes its number and dies before it writes its name: passed over too, and the site after
+    it is admitted. (The live LM run in test_sites.py loses another rank, where a survivor waits on the other
     survivor: the abandoned wait.)"""
     lost = "a"
     run = f"count{next(_runs)}"
@@ -123,8 +125,9 @@ def test_sites_agree_on_each_epoch_through_a_loss_and_a_join(coordinator: str) -
         for name, value in values.items()
     }
     joiner = ("d", {"run": run, "rounds": 120, "value": 8.0})
-    reports = _run_sites(counting_site, coordinator, plans, joiner, lost, ghost=True)
+    reports = _run_sites(counting_site, coordinator, plans, joiner, lost, ghost=True, nameless=True)
     assert reports.pop("ghost") == "gone"  # told so, had it still been waiting
+    assert reports.pop("nameless") == NAMELESS  # passed over: should its name still come, it registers again
 
     survivors = sorted(set(values) - {lost})
     lost_rounds, _ = reports[lost]
@@ -428,3 +431,28 @@ def test_a_ten_thousand_character_site_name_is_refused_by_the_flags_too(capsys: 
         check_membership_arguments(parser, args)
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "--site NAME" in error and "10000 characters" in error
+
+
+def test_the_first_epoch_forms_past_a_registration_that_never_wrote_its_name(coordinator: str) -> None:
+    """The run's first registration takes its number and dies before it writes its name; the two sites after it form
+    the first epoch without it (min_sites=2) once it stood nameless for 3 heartbeats, and train to the end."""
+    run = f"count{next(_runs)}"
+    store = dist.PrefixStore(f"{run}/", coordinator_store(coordinator, timeout=60))
+    assert store.add("joins", 1) == 1  # and no name
+    queue = process_context().Queue()
+    plans = {
+        name: {"run": run, "rounds": 20, "min_sites": 2, "value": value} for name, value in (("a", 1.0), ("b", 2.0))
+    }
+    procs = [_start(counting_site, coordinator, name, plan, queue) for name, plan in plans.items()]
+    try:
+        reports = dict(queue.get(timeout=60)[:2] for _ in procs)
+        for proc in procs:
+            proc.join(timeout=30)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+    assert store.get("join/1").decode() == NAMELESS
+    for rounds in reports.values():
+        assert len(rounds) == 20 and {(e, tuple(sorted(s)), t) for e, s, t in rounds} == {(1, ("a", "b"), 3.0)}

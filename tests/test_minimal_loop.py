@@ -39,22 +39,27 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, stdout, stderr
 
 
-def start_sites(folder: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
-    """The coordinator and two sites of a live membership, each a plain `python` process of its own, started as a
-    user starts them: the first to register starts the run alone, the second joins it at a round boundary."""
+def start_coordinator() -> tuple[subprocess.Popen, int]:
     port = free_port()
     command = [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", str(port)]
     coordinator = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert coordinator.stdout is not None and "serving on port" in coordinator.stdout.readline()
-    sites = []
-    for site in ("a", "b"):
-        cmd = [sys.executable, "examples/minimal_loop.py", "--steps", str(SITE_STEPS), "--out", str(folder / site)]
-        cmd += ["--coordinator", f"127.0.0.1:{port}"]
-        env = {**os.environ, "SITE": site}
-        sites.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
-    return coordinator, sites
+    return coordinator, port
+
+
+def start_site(site: str, port: int, out: Path, steps: int = SITE_STEPS) -> subprocess.Popen:
+    """Site ``site`` of a live membership, a plain `python` process of its own, started as a user starts one."""
+    cmd = [sys.executable, "examples/minimal_loop.py", "--steps", str(steps), "--out", str(out)]
+    cmd += ["--coordinator", f"127.0.0.1:{port}"]
+    env = {**os.environ, "SITE": site}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_sites(folder: Path) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    """The coordinator and two sites: the first to register starts the run alone, the second joins it at a round
+    boundary."""
+    coordinator, port = start_coordinator()
+    return coordinator, [start_site(site, port, folder / site) for site in ("a", "b")]
 
 
 @pytest.mark.slow
@@ -96,3 +101,19 @@ def test_a_site_joins_a_run_under_way_and_both_end_with_the_same_model(tmp_path:
     assert finals[0]["val_loss"] == finals[1]["val_loss"] and finals[0]["rounds"] == finals[1]["rounds"], finals
     joined = [out.split("resumed at step ")[1].split()[0] for _, out, _ in results if "resumed at step " in out]
     assert len(joined) == 1 and int(joined[0]) > 0, [out[-1000:] for _, out, _ in results]  # the second site
+
+
+@pytest.mark.slow
+def test_a_site_with_a_bad_name_stops_in_one_line_and_the_next_site_trains_as_one_alone(tmp_path: Path) -> None:
+    coordinator, port = start_coordinator()
+    try:
+        code, out, err = finish(start_site("x" * 10_000, port, tmp_path / "bad"))
+        lines = err.strip().splitlines()
+        assert code == 2 and "SITE='xxxx" in lines[-1] and "1 to 64 letters" in lines[-1], err[-2000:]
+        assert "Traceback" not in err and len(lines[-1]) < 300
+        code, out, err = finish(start_site("a", port, tmp_path / "a", steps=STEPS))
+    finally:
+        stop_process_tree(coordinator)
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert parse_final_line(out, KEYS)["steps"] == str(STEPS)  # alone from step 0: nobody was ahead of it
+    assert "resumed at step" not in out

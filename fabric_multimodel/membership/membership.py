@@ -12,7 +12,8 @@ Every decision is one key of the store, written once with ``compare_set``: the f
 member reads the same value, so no member leads and any site may be lost, the first one included.
 
 - A site *registers* (the ``joins`` counter; ``join/<n>`` holds its name) and waits to be admitted. The first
-  epoch is the first ``min_sites`` sites to register.
+  epoch is the first ``min_sites`` sites to register. A registration whose name never comes (its site died between
+  taking the number and writing the name) is passed over after ``3 * heartbeat_s``: nobody waits on it.
 - At a *round boundary* (a round finished, none in flight) every member proposes for
   ``epoch/<e>/round/<r>``: ``keep``, or the members and the sites registered since whose heartbeat it saw move
   (a registrant whose heartbeat stood still for ``3 * heartbeat_s`` died waiting, and is passed over, told
@@ -39,18 +40,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from fabric_multimodel.comm.collectives import all_gather_single, standalone_group
-from fabric_multimodel.membership.etcd_store import SCHEME, EtcdStore, endpoints_of
+from fabric_multimodel.membership.names import check_site_name, site_of
+from fabric_multimodel.membership.stores import check_coordinator, coordinator_store
 
 _log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ _log = logging.getLogger(__name__)
 POLL_S = 0.05
 #: What ``admit/<token>`` says to a registrant passed over as gone (its heartbeat stood still): register again.
 GONE = "gone"
+#: What ``join/<n>`` holds for a registration whose site wrote no name within ``3 * heartbeat_s`` of being seen (it
+#: died between taking its number and writing its name): passed over. No site's name can be it.
+NAMELESS = "-"
 
 
 class RunEnded(RuntimeError):
@@ -99,61 +102,6 @@ class Epoch:
     def sites(self) -> tuple[str, ...]:
         """The members' site names, in rank order."""
         return tuple(site_of(token) for token in self.members)
-
-
-#: The longest site name: a name rides in store keys and values, a status page's table and every log line.
-MAX_SITE_NAME = 64
-_SITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def check_site_name(site: object) -> str:
-    """``site`` when it is a name a site may have: 1 to ``MAX_SITE_NAME`` letters, digits, ``.``, ``_`` or ``-``, the
-    first a letter or digit; else ``ValueError`` saying so, before anything is written to the store.
-
-    Example::
-
-        check_site_name("berlin-2")  # 'berlin-2'
-    """
-    if not isinstance(site, str) or len(site) > MAX_SITE_NAME or not _SITE_NAME.fullmatch(site):
-        shown = repr(site) if len(repr(site)) <= 80 else f"{repr(site)[:60]}... ({len(str(site))} characters)"
-        raise ValueError(
-            f"a site's name is 1 to {MAX_SITE_NAME} letters, digits, '.', '_' or '-', starting with a letter or"
-            f" digit; got {shown}"
-        )
-    return site
-
-
-def site_of(token: str) -> str:
-    """The site name of a member's token (``"berlin#3"`` -> ``"berlin"``)."""
-    return token.rpartition("#")[0]
-
-
-def check_coordinator(coordinator: str) -> None:
-    """A ValueError naming the address unless it is ``host:port`` or ``etcd://host:port,host:port,...``."""
-    if coordinator.startswith(SCHEME):
-        endpoints_of(coordinator)
-        return
-    host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"got {coordinator!r}")
-
-
-def coordinator_store(coordinator: str, timeout: float) -> dist.Store:
-    """A connection to the store at ``coordinator``: ``host:port`` (a ``TCPStore`` served by
-    ``python -m fabric_multimodel.coordinator``) or ``etcd://host:port,...`` (an
-    :class:`~fabric_multimodel.membership.etcd_store.EtcdStore`); its calls fail after ``timeout`` seconds. Keep it
-    referenced while it is in use: a ``PrefixStore`` over it does not keep an etcd store's Python object alive.
-
-    Example::
-
-        store = coordinator_store("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379", timeout=30.0)
-        run = dist.PrefixStore("run/", store)
-    """
-    check_coordinator(coordinator)
-    if coordinator.startswith(SCHEME):
-        return EtcdStore(endpoints_of(coordinator), timeout=timeout)
-    host, _, port = coordinator.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
 @dataclass(frozen=True)
@@ -253,6 +201,8 @@ class Membership:
         self._decision: _Decision | None = None
         #: Registrants this process has looked at: their heartbeat count then, and when (see _admissible).
         self._registrants: dict[str, tuple[int, float]] = {}
+        #: Registrations this process found with no name yet, and when (see _name_of).
+        self._nameless: dict[int, float] = {}
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
 
@@ -284,12 +234,12 @@ class Membership:
             )
         number = self._from_site_process_0(self._store.add("joins", 1) if self.local_rank == 0 else 0)
         self.token = f"{self.site}#{number}"
-        self._store.set(f"join/{number}", self.token)
+        if self._store.compare_set(f"join/{number}", "", self.token).decode() != self.token:
+            _log.warning("registration %d was passed over before its name landed: registering again", number)
+            return self._admit(on_wait)
         self._start_heartbeats()
-        if number <= self.min_sites:  # the first epoch: the first min_sites sites, once they all registered
-            self._poll([f"join/{self.min_sites}"], on_wait, start)
-            first = _Decision(tuple(self._registered(1, self.min_sites)), self.min_sites)
-            self._store.compare_set("epoch/0/next", "", first.encode())
+        if not self._store.check(["epoch/0/next"]):  # the first epoch: the first min_sites sites with a name
+            self._first_epoch(on_wait, start)
         admitted = self._poll([f"admit/{self.token}", "epoch/0/next"], on_wait, start, first_only=True)
         if admitted == "epoch/0/next":
             decision = _Decision.decode(self._store.get("epoch/0/next"))
@@ -305,8 +255,42 @@ class Membership:
             decision = _Decision.decode(self._store.get(f"epoch/{number - 1}/next"))
         return self._enter(number, decision, previous=())
 
-    def _registered(self, first: int, last: int) -> list[str]:
-        return [self._store.get(f"join/{n}").decode() for n in range(first, last + 1)]
+    def _first_epoch(self, on_wait: Callable[[float], None] | None, start: float) -> None:
+        """Propose the first epoch once ``min_sites`` registrations have a name, in their order (those that never
+        wrote one passed over); any registrant may, the first proposal wins."""
+        reported = start
+        while not self._store.check(["epoch/0/next"]):
+            if self._store.check(["finished"]):
+                raise RunEnded(f"Membership: the run finished before site {self.site!r} was admitted; nothing to join.")
+            names: list[str] = []
+            for number in range(1, self._store.add("joins", 0) + 1):
+                name = self._name_of(number)
+                if name is None:  # it may still come: wait for it
+                    break
+                names += [] if name == NAMELESS else [name]
+                if len(names) == self.min_sites:
+                    self._store.compare_set("epoch/0/next", "", _Decision(tuple(names), number).encode())
+                    return
+            now = time.perf_counter()
+            if on_wait is not None and now - reported >= 10:
+                on_wait(now - start)
+                reported = now
+            time.sleep(POLL_S)
+
+    def _name_of(self, number: int) -> str | None:
+        """The token registration ``number`` wrote; :data:`NAMELESS` once it is passed over (no name ``3 *
+        heartbeat_s`` after this process first looked); None while it may still come. Its site's own
+        ``compare_set`` and the passing over cannot both win."""
+        key = f"join/{number}"
+        if self._store.check([key]):
+            return self._store.get(key).decode()
+        first_seen = self._nameless.setdefault(number, time.perf_counter())
+        if time.perf_counter() - first_seen < 3 * self.heartbeat_s:
+            return None
+        name = self._store.compare_set(key, "", NAMELESS).decode()
+        if name == NAMELESS and self.local_rank == 0:
+            _log.warning("registration %d wrote no name: passed over (its site died registering?)", number)
+        return name
 
     def _admissible(self, first: int, registered: int, room: int) -> tuple[list[str], int]:
         """The sites registered as numbers ``first..registered`` that may be admitted now (at most ``room``), and
@@ -319,7 +303,12 @@ class Membership:
         for number in range(first, registered + 1):
             if len(admitted) == room:
                 break
-            (token,) = self._registered(number, number)
+            token = self._name_of(number)
+            if token is None:  # its name may still come: it and those after it wait for a later boundary
+                break
+            if token == NAMELESS:
+                last = number
+                continue
             count = self._store.add(f"beat/{token}", 0)
             first_count, first_seen = self._registrants.setdefault(token, (count, now))
             if count != first_count:
@@ -477,8 +466,9 @@ class Membership:
         for token in decision.members:
             if token not in epoch.members:
                 self._store.set(f"admit/{token}", str(epoch.number + 1))
-        for token in self._registered(self._decision.registrations + 1, decision.registrations):
-            if token not in decision.members:  # passed over as gone: should it still wait, it registers again
+        for number in range(self._decision.registrations + 1, decision.registrations + 1):
+            token = self._store.get(f"join/{number}").decode()  # written: the decision accounted for it
+            if token != NAMELESS and token not in decision.members:  # passed over as gone: it registers again
                 self._store.set(f"admit/{token}", GONE)
         self._store.set("epoch", str(epoch.number + 1))
         if self.token not in decision.members:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from fabric_multimodel.membership.membership import check_site_name
+from fabric_multimodel.membership.names import check_site_name
 from fabric_multimodel.plan.payloads import LOW_BIT, PAYLOADS
 from fabric_multimodel.run import launch
 
