@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from fabric_multimodel.averaging.arguments import check_fragments
 from fabric_multimodel.averaging.config import AveragerConfig
 from fabric_multimodel.run import cli
-from fabric_multimodel.run.cli import COMM_DTYPES, add_averager_arguments, averager_options, check_averager_arguments
+from fabric_multimodel.run.cli import (
+    COMM_DTYPES,
+    add_averager_arguments,
+    averager_options,
+    check_averager_arguments,
+    in_flag_words,
+)
 
 
 class Refused(Exception):
@@ -76,17 +82,29 @@ def test_what_the_flags_let_through_the_averager_takes(values) -> None:
     ("argv", "message"),
     [
         (["--period", "0", "--outer", "nesterov"], "need --period N"),
-        (["--period", "8", "--fragments", "3"], "--fragments F needs a --period that F divides"),
-        (["--period", "8", "--overlap-steps", "8"], "--overlap-steps must be smaller than --period"),
-        (["--period", "8", "--error-feedback"], "--error-feedback needs a float8 or float4 --comm-dtype"),
+        (["--period", "8", "--fragments", "3"], r"--period \(8\) must be a multiple of the number of fragments \(3\)"),
+        (["--period", "8", "--overlap-steps", "8"], r"--overlap-steps \(8\) must be smaller than --period \(8\)"),
+        (["--period", "8", "--error-feedback"], "--error-feedback keeps what block quantization drops; it needs a low"),
         (["--period", "auto", "--warmup-steps", "1"], "--period auto times the warm-up's steps"),
-        (["--period", "8", "--pace", "speed", "--fragments", "2"], "--pace speed needs"),
+        (["--period", "8", "--pace", "speed", "--fragments", "2"], "--pace speed times .* no --fragments, --overlap"),
+        (["--period", "0", "--pace", "speed"], "--pace speed needs --period N"),
+        (["--period", "8", "--mixing", "progress"], "--mixing progress .* needs --overlap-steps"),
+        (["--period", "8", "--mixing", "0.5"], "--mixing sets how overlapped rounds merge; set --overlap-steps too"),
     ],
 )
 def test_a_combination_the_averager_cannot_take_is_one_line_naming_the_flags(argv, message) -> None:
     parser, args = parsed(argv)
     with pytest.raises(Refused, match=message):
         check_averager_arguments(parser, args)
+
+
+@given(
+    st.sampled_from(["period", "overlap_steps", "error_feedback", "node_period"]), st.sampled_from(["", "=8", "='x'"])
+)
+def test_an_option_is_said_as_its_flag(name: str, value: str) -> None:
+    said = in_flag_words(f"`{name}{value}` and `{name}`")
+    flag = "--" + name.replace("_", "-")
+    assert said == f"{flag}{' ' + value[1:].strip(chr(39)) if value else ''} and {flag}"
 
 
 def test_the_options_build_what_the_flags_say() -> None:

@@ -323,7 +323,7 @@ def test_default_corpus_is_the_standard_library_without_tests(lm: ModuleType) ->
         (["--period", "4", "--node-period", "2"], "need several processes (--devices N)"),
         (["--pace", "speed"], "--pace speed needs --period N"),
         (["--pace", "speed", "--period", "8", "--fragments", "2"], "no --fragments, --overlap-steps"),
-        (["--pace", "speed", "--period", "8", "--warmup-steps", "1"], "--warmup-steps 2 or more"),
+        (["--pace", "speed", "--period", "8", "--warmup-steps", "1"], "--warmup-steps >= 2"),
         (["--shard", "node", "--period", "4", "--devices", "2", "--resume", "no/such/folder"], "no such folder"),
     ],
 )

@@ -102,9 +102,9 @@ def test_a_site_that_joins_after_the_last_round_makes_no_step_before_the_blocks_
     [
         ({"pace": "fast"}, "`pace` must be 'steps'"),
         ({"pace": "speed", "warmup_steps": 1}, "`warmup_steps` >= 2"),
-        ({"pace": "speed", "warmup_steps": 4, "fragments": 2}, "no fragments, overlap_steps"),
-        ({"pace": "speed", "warmup_steps": 4, "overlap_steps": 1}, "no fragments, overlap_steps"),
-        ({"pace": "speed", "warmup_steps": 4, "comm_dtype": torch.float8_e4m3fn}, "low-bit comm_dtype"),
+        ({"pace": "speed", "warmup_steps": 4, "fragments": 2}, "no `fragments`, `overlap_steps`"),
+        ({"pace": "speed", "warmup_steps": 4, "overlap_steps": 1}, "no `fragments`, `overlap_steps`"),
+        ({"pace": "speed", "warmup_steps": 4, "comm_dtype": torch.float8_e4m3fn}, "low-bit `comm_dtype`"),
         ({"pace": "speed", "warmup_steps": 4, "period": "auto"}, "a number `period`"),
     ],
 )

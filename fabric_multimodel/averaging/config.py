@@ -239,8 +239,8 @@ def _check_pace(config: AveragerConfig, caller: str) -> None:
     ):
         raise ValueError(
             f"{caller}: `pace='speed'` times the warm-up's steps and paces blocking rounds of the whole model: it"
-            " needs a number `period` and `warmup_steps` >= 2, and no fragments, overlap_steps, node_period or"
-            " low-bit comm_dtype yet."
+            " needs a number `period` and `warmup_steps` >= 2, and no `fragments`, `overlap_steps`, `node_period` or"
+            " low-bit `comm_dtype` yet."
         )
 
 
