@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ from fabric_multimodel.membership.names import check_site_name, site_of
 from fabric_multimodel.membership.stores import check_coordinator, coordinator_store
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: Seconds between two polls of the store while waiting (admission, check-ins).
 POLL_S = 0.05
@@ -258,24 +260,23 @@ class Membership:
     def _first_epoch(self, on_wait: Callable[[float], None] | None, start: float) -> None:
         """Propose the first epoch once ``min_sites`` registrations have a name, in their order (those that never
         wrote one passed over); any registrant may, the first proposal wins."""
-        reported = start
-        while not self._store.check(["epoch/0/next"]):
-            if self._store.check(["finished"]):
-                raise RunEnded(f"Membership: the run finished before site {self.site!r} was admitted; nothing to join.")
-            names: list[str] = []
-            for number in range(1, self._store.add("joins", 0) + 1):
-                name = self._name_of(number)
-                if name is None:  # it may still come: wait for it
-                    break
-                names += [] if name == NAMELESS else [name]
-                if len(names) == self.min_sites:
-                    self._store.compare_set("epoch/0/next", "", _Decision(tuple(names), number).encode())
-                    return
-            now = time.perf_counter()
-            if on_wait is not None and now - reported >= 10:
-                on_wait(now - start)
-                reported = now
-            time.sleep(POLL_S)
+        self._wait_until(self._propose_first_epoch, on_wait, start)
+
+    def _propose_first_epoch(self) -> bool | None:
+        """True once the first epoch is decided (by this proposal or another's); None while a name may still come
+        or too few have one."""
+        if self._store.check(["epoch/0/next"]):
+            return True
+        names: list[str] = []
+        for number in range(1, self._store.add("joins", 0) + 1):
+            name = self._name_of(number)
+            if name is None:  # it may still come: wait for it
+                return None
+            names += [] if name == NAMELESS else [name]
+            if len(names) == self.min_sites:
+                self._store.compare_set("epoch/0/next", "", _Decision(tuple(names), number).encode())
+                return True
+        return None
 
     def _name_of(self, number: int) -> str | None:
         """The token registration ``number`` wrote; :data:`NAMELESS` once it is passed over (no name ``3 *
@@ -326,15 +327,25 @@ class Membership:
         *,
         first_only: bool = False,
     ) -> str:
-        """Wait until every key exists (``first_only``: any of them, returned), or raise :class:`RunEnded` once the
-        run finished. Polls: a store wait that times out would leave the connection unusable."""
+        """Wait until every key exists (``first_only``: any of them, returned)."""
+
+        def present() -> str | None:
+            found = [key for key in keys if self._store.check([key])]
+            return found[0] if (found and first_only) or len(found) == len(keys) else None
+
+        return self._wait_until(present, on_wait, start)
+
+    def _wait_until(self, ready: Callable[[], _T | None], on_wait: Callable[[float], None] | None, start: float) -> _T:
+        """``ready()`` once it is not None, asked every ``POLL_S``; :class:`RunEnded` once the run finished;
+        ``on_wait(seconds)`` about every 10 s. Polls: a store wait that times out would leave the connection
+        unusable."""
         reported = start
         while True:
             if self._store.check(["finished"]):
                 raise RunEnded(f"Membership: the run finished before site {self.site!r} was admitted; nothing to join.")
-            present = [key for key in keys if self._store.check([key])]
-            if (present and first_only) or len(present) == len(keys):
-                return present[0]
+            result = ready()
+            if result is not None:
+                return result
             now = time.perf_counter()
             if on_wait is not None and now - reported >= 10:
                 on_wait(now - start)
