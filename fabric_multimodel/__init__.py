@@ -17,9 +17,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fabric_multimodel.averaging.averager import Averager, Replica
+    from fabric_multimodel.averaging.averager import Averager
     from fabric_multimodel.averaging.config import AveragerConfig
-    from fabric_multimodel.averaging.replicas import SyncReport, average_models, replicas_in_sync
+    from fabric_multimodel.averaging.replicas import Replica, SyncReport, average_models, replicas_in_sync
     from fabric_multimodel.checkpoints.checkpointer import Checkpointer
     from fabric_multimodel.comm.collectives import Traffic
     from fabric_multimodel.comm.node_groups import NodeGroups, node_groups
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # needs only the standard library, and must not wait seconds for torch.
 _HOMES = {
     "Averager": "averaging.averager",
-    "Replica": "averaging.averager",
+    "Replica": "averaging.replicas",
     "Checkpointer": "checkpoints.checkpointer",
     "Traffic": "comm.collectives",
     "AveragerConfig": "averaging.config",

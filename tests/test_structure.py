@@ -12,8 +12,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fabric_multimodel"
 MODULES = sorted(PACKAGE.rglob("*.py"))
-#: Modules still over the limit, each with the size it may not grow past (the next slices take them apart).
-OVERSIZED = {"averaging/averager.py": 850}
 #: Command-line modules: what they print is their output.
 COMMAND_LINES = {"coordinator.py", "plan/planner.py", "sites/cli.py", "sites/processes.py", "sites/run.py"}
 
@@ -42,14 +40,7 @@ def _code_lines(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_a_module_has_at_most_600_lines(path: Path) -> None:
-    limit = OVERSIZED.get(_name(path), 600)
-    assert len(path.read_text().splitlines()) <= limit
-
-
-def test_the_oversized_modules_are_still_oversized() -> None:
-    """An entry of OVERSIZED that a split brought under 600 lines leaves the list."""
-    for name in OVERSIZED:
-        assert len((PACKAGE / name).read_text().splitlines()) > 600, f"{name} is small now: drop it from OVERSIZED"
+    assert len(path.read_text().splitlines()) <= 600
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)

@@ -7,58 +7,34 @@ things happen :mod:`fabric_multimodel.rounds.schedule`'s, what a round does :mod
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import statistics
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
+from fabric_multimodel.averaging.agreement import check_agreement
 from fabric_multimodel.averaging.arguments import as_module_list, check_membership, check_optimizers, check_placement
-from fabric_multimodel.averaging.auto_period import (
-    PeriodChoice,
-    agree,
-    choose_overlap,
-    choose_period,
-    shortest_period,
-    time_round,
-)
+from fabric_multimodel.averaging.auto_period import PeriodChoice, agree, time_round
 from fabric_multimodel.averaging.builder import build_rounds
+from fabric_multimodel.averaging.cadence import Cadence
 from fabric_multimodel.averaging.config import AveragerConfig
 from fabric_multimodel.averaging.epochs import DriverHooks, Epochs
 from fabric_multimodel.averaging.held_bytes import held_bytes
-from fabric_multimodel.averaging.pacing import (
-    Pace,
-    gather_step_times,
-    last_round,
-    paced,
-    paced_steps,
-    rounds_origin,
-)
-from fabric_multimodel.averaging.replicas import HasDevice, Modules
-from fabric_multimodel.averaging.saved_state import checked_choice, checked_counters, checked_pace, times_warmup
-from fabric_multimodel.comm.collectives import (
-    ProcessGroup,
-    Traffic,
-    broadcast_differences,
-    describe_disagreement,
-    group_rank,
-    group_ranks,
-    group_size,
-)
+from fabric_multimodel.averaging.pacing import Pace, gather_step_times, paced
+from fabric_multimodel.averaging.replicas import HasDevice, Modules, Replica
+from fabric_multimodel.averaging.runner import RoundRunner
+from fabric_multimodel.averaging.saved_state import checked_choice, checked_counters, checked_pace
+from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, broadcast_differences, group_rank, group_size
+from fabric_multimodel.ddp.local_phase import LocalPhase
 from fabric_multimodel.ddp.models import Models
 from fabric_multimodel.membership.membership import Membership
-from fabric_multimodel.rounds.errors import AveragingError, PeerError
-from fabric_multimodel.rounds.header import Header, Stamp
+from fabric_multimodel.rounds.errors import PeerError
 from fabric_multimodel.rounds.optimizer_state import OptimizerStateStorage
-from fabric_multimodel.rounds.schedule import Event, Schedule
+from fabric_multimodel.rounds.schedule import Schedule
 
 _log = logging.getLogger(__name__)
 
@@ -66,25 +42,6 @@ if TYPE_CHECKING:
     from lightning_fabric import Fabric
 
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class Replica:
-    """Which replica this rank holds, of how many, and whether it writes that replica's checkpoint.
-
-    Between rounds every averaging rank holds a replica of its own, except in the islands layout,
-    where DDP keeps the processes of a node identical: one replica per node, written by the node's
-    first process. See :attr:`Averager.replica`.
-
-    Example::
-
-        replica = averager.replica
-        print(f"replica {replica.index} of {replica.count}", "(writes it)" if replica.writer else "")
-    """
-
-    index: int
-    count: int
-    writer: bool
 
 
 class Averager:
@@ -143,7 +100,6 @@ class Averager:
         self.config = config = AveragerConfig.build(config, options, "Averager")
         module_list = as_module_list(modules, "Averager")
         self.optimizers = check_optimizers(optimizers, "Averager")
-        self._optimizer_state = OptimizerStateStorage(self.optimizers)  # what blocking rounds average with the models
         #: With a :class:`~fabric_multimodel.Membership`: the sites of the run come and go, and each round
         #: runs on the group of the epoch this site is in (``process_group`` is that group).
         self.membership = membership
@@ -161,7 +117,7 @@ class Averager:
         self.sharded = placement.sharded
         #: True when the modules synchronise inside each node (DDP, or FSDP2 shards) and rounds average across nodes.
         self.islands = placement.islands
-        self.warmup_steps, self.overlap_steps = config.warmup_steps, config.first_overlap
+        self.warmup_steps = config.warmup_steps
         self.average_buffers, self.node_period = config.average_buffers, config.node_period
         self.process_group, self.node_group = process_group, node_group
         names = list(modules._fields) if isinstance(modules, Models) else None
@@ -172,44 +128,26 @@ class Averager:
         self._round, self._node_round, self._has_buffers = built.round, built.node_round, built.has_buffers
         #: The number of fragments; a round covers one.
         self.fragments = built.fragments
-        self._init_timing(config, membership is not None)
+        #: When the rounds fall: the period, the schedule, ``period="auto"``'s choice and ``pace="speed"``'s pace.
+        self.cadence = Cadence(config, self.fragments, self._round.phases, built.period, membership is not None)
         self._site = placement.site
-        self._set_period(built.period)
         self._device = fabric.device
-        self._ddps = [] if self.islands else list(placement.ddps)  # the DDPs switched off after warm-up
-        self._ddp_settings: list[tuple[Any, bool, bool]] | None = None
+        self._phase = LocalPhase([] if self.islands else placement.ddps)  # the DDPs switched off after warm-up
         self._reset_counters()
         self._agreement = built.agreement
-        # The replicas train apart in warm-up (the islands' nodes, a membership's sites): the first round of each
-        # part after it is a plain mean that sets its anchor.
-        self._apart = self.islands or membership is not None
+        self._apart = self.islands or membership is not None  # the replicas train apart in warm-up
+        state = OptimizerStateStorage(self.optimizers)  # what blocking rounds average with the models
+        self._runner = RoundRunner(self, built.round, built.node_round, state, self._device, apart=self._apart)
         #: What the start sent across ``process_group`` (islands: the values in which the nodes' replicas differed).
         self.start_traffic = Traffic()
         # Islands: the node's processes hold one replica between them; the first one writes it.
         self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in placement.ddps)
         if membership is not None and epoch is not None:
-            self._epochs = Epochs(self, self._driver_hooks(), membership)
+            self._epochs = self._runner.epochs = Epochs(self, self._driver_hooks(), membership)
             self._epochs.enter(epoch)
         else:
             self._check_agreement(built.agreement)
             self.start_traffic = self._start_islands()
-
-    def _init_timing(self, config: AveragerConfig, live: bool) -> None:
-        """What ``period="auto"`` and ``pace="speed"`` time and hold (nothing chosen yet)."""
-        #: With ``period="auto"``: what was chosen at the end of warm-up, and from what (None until then).
-        self.period_choice: PeriodChoice | None = None
-        #: With ``pace="speed"``: every site's local steps per round and weight, agreed at the end of warm-up.
-        self.pace: Pace | None = None
-        # period="auto" and pace="speed" time the warm-up: seconds between its step() calls
-        self._times_warmup = times_warmup(config)
-        # pace="speed": the fastest site's local steps per round ("auto" is refused with pace)
-        self._fastest_period = config.period if isinstance(config.period, int) else 0
-        self._step_gaps: list[float] = []
-        self._last_step: float | None = None
-        # pace="speed" under a membership, agreed again at each epoch: the seconds of this rank's latest steps
-        # without a round, and where this site's pace began (its step at a round, and the fastest site's then)
-        self._recent_gaps: deque[float] | None = deque(maxlen=32) if live and config.pace == "speed" else None
-        self._pace_since: tuple[int, int] | None = None
 
     def _driver_hooks(self) -> DriverHooks:
         """What this Averager lends its epochs (a live membership's) beyond its public state."""
@@ -217,40 +155,18 @@ class Averager:
             round=self._round,
             device=self._device,
             site=self._site,
-            fastest_period=self._fastest_period,
+            fastest_period=self.cadence.fastest_period,
             check_agreement=lambda: self._check_agreement(self._agreement),
-            abandon_round=self._abandon_round,
-            last_round=self._last_round,
-            own_step_s=self._own_step_s,
+            abandon_round=self._runner.abandon,
+            last_round=lambda: self.cadence.last_round(self.steps),
+            own_step_s=lambda: self.cadence.step_s(live=True),
             set_pace=self._set_pace,
         )
-
-    def _set_period(self, period: int, start: int | None = None) -> None:
-        #: Local steps between rounds (with ``period="auto"``: the smallest allowed until the end of warm-up).
-        self.period = period
-        self.schedule = Schedule(
-            period,
-            self.warmup_steps if start is None else start,  # a pace agreed again: rounds every period from there
-            fragments=self.fragments,
-            overlap_steps=self.overlap_steps,
-            node_period=self.node_period,
-            phases=self._round.phases,
-            ends_warmup=start is None,
-        )
-
-    def _warmup_gaps(self, option: str) -> list[float]:
-        """The seconds between the warm-up's step() calls on this rank; an error (on every rank) when none was timed."""
-        if not self._step_gaps:  # every rank resumed from the same counts: all raise here, before any collective
-            raise RuntimeError(
-                f"Averager: {option} timed no warm-up step (the run resumed at the warm-up's last step); resume"
-                " from an earlier checkpoint."
-            )
-        return self._step_gaps
 
     def _choose_period(self) -> None:
         """period="auto", at the end of warm-up: time a round's payload across ``process_group`` and choose from
         it and the warm-up's steps, with the slowest rank's figures on every rank (see ``auto_period``)."""
-        mine = statistics.median(self._warmup_gaps("period='auto'"))
+        mine = statistics.median(self.cadence.warmup_gaps("period='auto'"))
         sent = self._round.traffic.bytes
 
         def across() -> tuple[float, float]:
@@ -260,48 +176,12 @@ class Averager:
         step_s, round_s = self._across_sites(across)
         if self._site is not None:  # islands: the site's processes choose alike
             step_s, round_s = agree(step_s, round_s, self._device, [self._site])
-        timed_step_s = max(step_s, 1e-6)
-        if self.config.overlap_steps == "auto":
-            self.overlap_steps = choose_overlap(timed_step_s, round_s)
-        period = choose_period(timed_step_s, round_s, self.fragments, self.overlap_steps)
-        self.period_choice = PeriodChoice(period, step_s, round_s, sent, self.overlap_steps)
-        self._set_period(period)
+        self.cadence.choose(step_s, round_s, sent)
 
     def _across_sites(self, collectives: Callable[[], _T]) -> _T:
         """``collectives()`` over ``process_group``; with a membership, over the next epoch's group again when a
         member is lost meanwhile."""
         return collectives() if self._epochs is None else self._epochs.across_sites(collectives)
-
-    def _site_step_times(self) -> list[float]:
-        """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives).
-        The mean, not the median: a site held back in bursts (a CPU quota, a shared GPU) is as slow as its mean."""
-        step_s = statistics.fmean(self._warmup_gaps("pace='speed'")) if self.membership is None else self._own_step_s()
-        return gather_step_times(step_s, self._device, self.process_group, self._site)
-
-    def _own_step_s(self) -> float:
-        """pace="speed" under a membership: this rank's step time, the mean of its latest steps without a round (of
-        the warm-up's until it has two of those); NaN when it timed none (a site that just joined)."""
-        recent = self._recent_gaps
-        gaps = recent if recent is not None and len(recent) >= 2 else self._step_gaps
-        return statistics.fmean(gaps) if gaps else math.nan
-
-    def _set_pace(self, pace: Pace, since: tuple[int, int] | None = None) -> None:
-        """Run this site's local steps per round, and weight its rounds by them: from the end of warm-up, or from
-        ``since``, a round position (this site's step and the fastest site's there; see ``last_round``)."""
-        mine = group_rank(self.process_group)
-        self.pace, self._pace_since = pace, since
-        # periods[mine] * W / sum(periods): exactly 1.0 when every site runs the same steps
-        self._round.scale = pace.periods[mine] * len(pace.periods) / sum(pace.periods)
-        period = pace.periods[mine]
-        if since is None:
-            self._set_period(period)
-        else:
-            self._set_period(period, rounds_origin(since[0], self.steps, period))
-
-    def _last_round(self) -> tuple[int, int]:
-        """Paced: this site's last round position (its step and the fastest site's; see ``last_round``)."""
-        since = self._pace_since or (self.warmup_steps, self.warmup_steps)  # None: the pace began at warm-up's end
-        return last_round(since, self.period, self._fastest_period, self.steps)
 
     def local_steps(self, total: int) -> int:
         """How many ``step()`` calls this rank makes in a run of ``total`` steps of the fastest site: ``total``
@@ -316,9 +196,7 @@ class Averager:
                 averager.step()
                 last = averager.local_steps(args.steps)  # changes once, at the end of warm-up
         """
-        if self.pace is None:
-            return total
-        return paced_steps(total, self.warmup_steps, self.period, self._fastest_period, since=self._pace_since)
+        return self.cadence.local_steps(total)
 
     def clock(self, step: int) -> int:
         """A count on which every site acts at the same moment (a stop, a periodic checkpoint): ``step``, this rank's
@@ -334,11 +212,7 @@ class Averager:
             if now // every > before // every:  # every site crosses the same multiple after the same round
                 checkpointer.save(state)
         """
-        if self.config.pace != "speed":
-            return step
-        if self.pace is None:
-            return 0
-        return self.warmup_steps + max(self.pace.periods) * self.rounds
+        return self.cadence.clock(step, self.rounds)
 
     def _reset_counters(self) -> None:
         #: ``step()`` calls so far.
@@ -353,20 +227,18 @@ class Averager:
         #: The ``step()`` count at which the last round across ``process_group`` finished (a blocking round, or
         #: an overlapped one merged); None before the first.
         self.finished_at: int | None = None
-        self._launched_at: int | None = None
-        # Per fragment, the step of its last blocking round: a round with no step since then changes nothing.
-        self._synced_at = [0] * self.fragments
 
     def _check_agreement(self, agreement: str) -> None:
-        """One small collective: every rank of the group built the same tensors and options, or all raise."""
-        problem = describe_disagreement(agreement, self._device, self.process_group)
-        if problem:
-            raise ValueError(
-                "Averager: the modules' parameters (names, shapes, dtypes) or the arguments (period, warmup_steps,"
-                " average_buffers, optimizers, outer_optimizer, comm_dtype, overlap_steps, check_finite,"
-                " node_period, the layout, fragments, mixing) differ across ranks; build the same models and"
-                f" Averager on every rank. {_shorten(problem)}"
-            )
+        check_agreement(agreement, self._device, self.process_group)
+
+    def _site_step_times(self) -> list[float]:
+        """pace="speed", at the end of warm-up: every site's step time, its slowest process's (two collectives)."""
+        step_s = self.cadence.step_s(live=self.membership is not None)
+        return gather_step_times(step_s, self._device, self.process_group, self._site)
+
+    def _set_pace(self, pace: Pace, since: tuple[int, int] | None = None) -> None:
+        """Run this site's local steps per round, and weight its rounds by them (see ``Cadence.set_pace``)."""
+        self._round.scale = self.cadence.set_pace(pace, group_rank(self.process_group), self.steps, since)
 
     def _start_islands(self) -> Traffic:
         """Islands: DDP made every node's replicas identical, not the nodes'. Start them all from the same
@@ -383,10 +255,10 @@ class Averager:
     # --- the with block ------------------------------------------------------------------------
 
     def __enter__(self) -> Averager:
-        if self._ddp_settings is not None:
+        if self._phase.entered:
             raise RuntimeError("Averager: this averager is already in use; enter its `with` block once.")
-        self._ddp_settings = [(ddp, ddp.require_backward_grad_sync, ddp.broadcast_buffers) for ddp in self._ddps]
-        self._apply_phase()
+        self._phase.enter()
+        self._phase.apply(self.local)
         return self
 
     def __exit__(
@@ -397,17 +269,43 @@ class Averager:
     ) -> None:
         try:
             if exc_type is not None:
-                self._discard_pending()
+                self._runner.discard_pending()
             else:
                 # In the local phase every rank ends with a round, needed or not (then it changes nothing):
                 # it carries each rank's step() count, so a schedule that drifted apart is an error on every
                 # rank instead of one rank waiting for a round nobody else starts.
                 self.sync()
         finally:
-            for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
-                ddp.require_backward_grad_sync = grad_sync
-                ddp.broadcast_buffers = broadcast_buffers
-            self._ddp_settings = None
+            self._phase.exit()
+
+    @property
+    def period(self) -> int:
+        """Local steps between rounds (with ``period="auto"``: the smallest allowed until the end of warm-up)."""
+        return self.cadence.period
+
+    @property
+    def overlap_steps(self) -> int:
+        """Steps an overlapped round is in flight (with ``overlap_steps="auto"``: chosen at the end of warm-up)."""
+        return self.cadence.overlap_steps
+
+    @property
+    def schedule(self) -> Schedule:
+        """When each round is launched, exchanged and merged: ``averager.schedule.next_round(averager.steps)``."""
+        return self.cadence.schedule
+
+    @property
+    def period_choice(self) -> PeriodChoice | None:
+        """With ``period="auto"``: what was chosen at the end of warm-up, and from what (None until then)."""
+        return self.cadence.period_choice
+
+    @property
+    def pace(self) -> Pace | None:
+        """With ``pace="speed"``: every site's local steps per round and weight, agreed at the end of warm-up."""
+        return self.cadence.pace
+
+    @pace.setter
+    def pace(self, pace: Pace | None) -> None:  # a membership agrees it again at each epoch
+        self.cadence.pace = pace
 
     @property
     def local(self) -> bool:
@@ -429,7 +327,7 @@ class Averager:
             if not averager.pending:
                 writer.save({"model": model, "averager": averager})  # state_dict() would wait for it
         """
-        return self._launched_at is not None
+        return self._runner.launched_at is not None
 
     @property
     def membership_wait_s(self) -> float:
@@ -514,24 +412,20 @@ class Averager:
             if averager.step():
                 print("averaged at", averager.steps)
         """
-        if self._ddp_settings is None:
+        if not self._phase.entered:
             raise RuntimeError("Averager.step: call it inside `with Averager(...) as averager:`.")
         self.steps += 1
-        gaps = self._step_gaps if self.steps <= self.warmup_steps else self._recent_gaps
-        if self._times_warmup and gaps is not None:
-            now = time.perf_counter()
-            if self._last_step is not None:
-                gaps.append(now - self._last_step)
-            self._last_step = now
-        started = False
         events = self.schedule.at(self.steps)
-        if events and self.steps > self.warmup_steps:  # the gap to the next step() holds this round: not a step's time
-            self._last_step = None
+        self.cadence.time_step(self.steps, round_due=bool(events))
+        started = False
         if events:
             with self._round.storage.synced():
                 try:
                     for event in events:
-                        started |= self._actions[event.kind](event)
+                        if event.kind == "local":
+                            self._start_local_phase()
+                        else:
+                            started |= self._runner.run(event)
                 except PeerError:
                     if self._epochs is None:
                         raise
@@ -542,7 +436,7 @@ class Averager:
         if self.steps <= self.warmup_steps and not self._apart and not self._has_buffers:
             # Synchronous DDP keeps parameters identical, but each rank's forward updates its own
             # buffers after DDP's broadcast, so replicas with buffers are only identical after a round.
-            self._synced_at = [self.steps] * self.fragments
+            self._runner.synced_at = [self.steps] * self.fragments
         return started
 
     def sync(self) -> None:
@@ -558,8 +452,8 @@ class Averager:
         with self._round.storage.synced():
             while True:
                 try:
-                    self._finish_pending()
-                    self._round_everything()
+                    self._runner.finish_pending()
+                    self._runner.round_everything()
                     return
                 except PeerError:
                     if self._epochs is None:
@@ -581,22 +475,18 @@ class Averager:
             fabric.save("ckpt.pt", {"averager": averager, "gen": gen})
         """
         with self._round.storage.synced():
-            self._finish_pending()
+            self._runner.finish_pending()
+        synced_at = self._runner.synced_at
         state: dict[str, Any] = {
             "steps": self.steps,
             "rounds": self.rounds,
-            "synced_at_step": min(self._synced_at),
+            "synced_at_step": min(synced_at),
             "elements_communicated": self.traffic.elements,
             "bytes_communicated": self.traffic.bytes,
         }
         if self.fragments > 1:
-            state["fragments_synced_at"] = list(self._synced_at)
-        if self.config.period == "auto":  # what was chosen
-            state["period_choice"] = list(self.period_choice) if self.period_choice else None
-        if self.config.pace == "speed" and self.membership is None:  # what the sites agreed (a membership: each epoch)
-            state["pace"] = [list(values) for values in self.pace] if self.pace else None
-        if self._times_warmup:  # the warm-up's step times measured so far
-            state["warmup_step_s"] = list(self._step_gaps)
+            state["fragments_synced_at"] = list(synced_at)
+        state.update(self.cadence.state_dict(live=self.membership is not None))
         state.update(self._round.state_dict())
         if self.anchored:
             state["replica"] = self.replica.index
@@ -619,20 +509,15 @@ class Averager:
         choice, gaps = checked_choice(state_dict, values["steps"], self.config, self.overlap_steps, self.fragments)
         world = group_size(self.process_group)
         pace = checked_pace(
-            state_dict, values["steps"], self.config, self.membership is not None, self._fastest_period, world
+            state_dict, values["steps"], self.config, self.membership is not None, self.cadence.fastest_period, world
         )
         try:
             self._round.load_state_dict(state_dict)
         except ValueError as error:
             raise ValueError(f"Averager.load_state_dict: {error}") from None
-        self.steps, self.rounds, self._synced_at = values["steps"], values["rounds"], synced_at
+        self.steps, self.rounds, self._runner.synced_at = values["steps"], values["rounds"], synced_at
         self.traffic = Traffic(values["elements_communicated"], values["bytes_communicated"])
-        if self._times_warmup and self.membership is None:  # a site's own speed, not that of the member it came from
-            self._step_gaps, self._last_step = gaps, None
-        if self.config.period == "auto":
-            self.period_choice = choice
-            self.overlap_steps = choice.overlap_steps if choice else self.config.first_overlap
-            self._set_period(choice.period if choice else shortest_period(self.fragments, self.overlap_steps))
+        self.cadence.load(choice, gaps, live=self.membership is not None)
         if pace is not None:
             self._set_pace(pace)
         if saved_by not in (None, self.replica.index) and self.local:
@@ -640,8 +525,7 @@ class Averager:
             # from the global model, not from a copy of that replica's local progress.
             with self._round.storage.synced():
                 self._round.restore_global()
-        if self._ddp_settings is not None:
-            self._apply_phase()
+        self._phase.apply(self.local)
 
     def restore_global(self) -> None:
         """Set the averaged tensors to the global model, their anchors; no collective.
@@ -666,182 +550,16 @@ class Averager:
 
     # --- the schedule's events -----------------------------------------------------------------
 
-    @property
-    def _actions(self) -> dict[str, Callable[[Event], bool]]:
-        """What each kind of schedule event does; True for those that start a round."""
-        return {
-            "local": self._start_local_phase,
-            "round": lambda event: self._round_now(event.fragment, blocking=True),
-            "launch": lambda event: self._round_now(event.fragment, blocking=False),
-            "exchange": lambda event: self._exchange(),
-            "merge": lambda event: self._finish_pending(),
-            "node": lambda event: self._node_round_now(),
-        }
-
-    def _start_local_phase(self, event: Event) -> bool:
+    def _start_local_phase(self) -> None:
+        """The end of warm-up: choose the period, agree the pace, switch DDP off, anchor."""
         if self.config.period == "auto" and self.period_choice is None:
             self._choose_period()
         if self.config.pace == "speed" and self.pace is None:
-            self._set_pace(paced(self._fastest_period, self._across_sites(self._site_step_times)))
-        self._apply_phase()
+            step_times = self._across_sites(self._site_step_times)
+            self._set_pace(paced(self.cadence.fastest_period, step_times))
+        self._phase.apply(self.local)
         _log.info("step %d: the local phase begins, a round every %d steps", self.steps, self.period)
         if self._apart:  # the nodes or sites trained apart: their first rounds are plain means, and set the anchors
             self._round.release_anchors()
         else:  # synchronous DDP moved every replica alike: anchor them where they are
             self._round.anchor_parameters()
-        return False
-
-    def _round_everything(self) -> None:
-        """A blocking round of every fragment that took a step since its last round (in the local phase, of
-        every fragment: each carries the step counts that tell whether the ranks stayed in step)."""
-        for fragment in range(self.fragments):
-            if self.local or self.steps > self._synced_at[fragment]:  # in warm-up, DDP keeps parameters identical
-                self._round_now(fragment, blocking=True)
-
-    def _round_now(self, fragment: int, *, blocking: bool) -> bool:
-        label = f"averaging round {self.rounds + 1} at step {self.steps}"
-        if self.fragments > 1:
-            label += f" (fragment {fragment + 1} of {self.fragments})"
-        warming_up = self.steps < self.warmup_steps
-        if warming_up and not self._apart:
-            # Synchronous DDP moved the parameters (identically): rounds in warm-up are plain means.
-            self._round.anchor_parameters(self._round.parts[fragment])
-        if self._epochs is not None:
-            self._round.scale = self._epochs.scale(fragment)
-        # Paced sites differ in steps, not rounds; so may a site that joined in a run's last period (it enters the
-        # members' next round, which may be their final sync).
-        count = self.rounds if self.pace is not None or self.membership is not None else self.steps
-        layout, _ = self._optimizer_state.refresh()
-        stamp = Stamp(count % 16**Header.STEP_DIGITS, layout, self.steps > self._synced_at[fragment])
-        start = time.perf_counter()
-        self._round.launch(stamp, label=label, blocking=blocking, outer=not warming_up, part=fragment)
-        # Checked while the payload crosses (a pointer per tensor, 0.13 ms for 400 on a CPU: hidden behind the
-        # collective), and raised once the round ended, so that no rank leaves a collective half-issued.
-        intact = self._round.storage.intact()
-        self.traffic += self._round.traffic
-        if not blocking:
-            self.rounds += 1
-            self._launched_at = self.steps
-            _check_intact(intact)  # leaving the block then discards the round in flight
-            _log.debug("%s: launched, %d bytes", label, self._round.traffic.bytes)
-            return True
-        stamps = self._round.finish()
-        _check_intact(intact)
-        self._check_stamps(stamps, label)
-        self._synced_at[fragment] = self.steps
-        self.finished_at = self.steps
-        if any(s.progress for s in stamps):
-            self.rounds += 1
-            self.traffic += self._average_optimizer_state(label)
-        _log.debug("%s: %d bytes in %.3f s", label, self._round.traffic.bytes, time.perf_counter() - start)
-        return True
-
-    def _average_optimizer_state(self, label: str) -> Traffic:
-        """After a blocking round, the optimizers' state averaged over ``process_group``. With a membership, weighed
-        like the round's payload, its wait abandoned once a member is lost, and a failure agreed by the site's
-        processes and raised as a :class:`PeerError`, as a round's is (the round stays merged)."""
-        if self._epochs is None:
-            return self._optimizer_state.all_reduce_mean_(self.process_group)
-        state, scale, failing = self._optimizer_state, self._round.scale, self._epochs.membership.failing
-        average = functools.partial(state.all_reduce_mean_, self.process_group, scale=scale, abandon=failing)
-        return self._epochs.agreed(average, f"{label}: averaging the optimizers' state")
-
-    def _exchange(self) -> bool:
-        """Move the round in flight to its second phase; starts no round."""
-        self._round.exchange()
-        return False
-
-    def _node_round_now(self) -> bool:
-        assert self._node_round is not None
-        label = f"averaging round {self.rounds + 1} (inside the node) at step {self.steps}"
-        layout, _ = self._optimizer_state.refresh()
-        stamp = Stamp(self.steps % 16**Header.STEP_DIGITS, layout, True)
-        self._node_round.launch(stamp, label=label, blocking=True)
-        self._check_stamps(self._node_round.finish(), label, self.node_group)
-        sent = self._node_round.traffic + self._optimizer_state.all_reduce_mean_(self.node_group)
-        self.traffic += sent
-        self.node_traffic += sent
-        self.rounds += 1
-        self.node_rounds += 1
-        return True
-
-    def _finish_pending(self) -> bool:
-        if self._launched_at is None:
-            return False
-        label = f"averaging round {self.rounds} (launched at step {self._launched_at})"
-        self._launched_at = None
-        self._check_stamps(self._round.finish(), label)
-        self.finished_at = self.steps
-        _log.debug("%s: merged at step %d", label, self.steps)
-        return False
-
-    def _discard_pending(self) -> None:
-        if self._launched_at is not None:
-            self._launched_at = None
-            self._round.discard()
-
-    def _check_stamps(self, stamps: list[Stamp], label: str, group: ProcessGroup | None = None) -> None:
-        group = group if group is not None else self.process_group
-        ranks = group_ranks(group)
-        mine = stamps[group_rank(group)]
-        for rank, stamp in zip(ranks, stamps):
-            by_rounds = self.pace is not None or self.membership is not None
-            if stamp.steps != mine.steps and by_rounds and group is self.process_group:
-                advice = (
-                    "with pace='speed', make averager.local_steps(total) step() calls on each rank"
-                    if self.pace is not None
-                    else "call averager.step() once per iteration"
-                )
-                raise AveragingError(
-                    f"{label}: this rank is at round {self.rounds + 1} but rank {rank} at round"
-                    f" {_unwrap_steps(stamp.steps, self.rounds) + 1}; {advice}."
-                )
-            if stamp.steps != mine.steps:
-                raise AveragingError(
-                    f"{label}: averager.step() was called {self.steps} times on this rank but"
-                    f" {_unwrap_steps(stamp.steps, self.steps)} times on rank {rank}; call it exactly once per"
-                    " iteration, on every rank."
-                )
-        if any(stamp.layout != mine.layout for stamp in stamps):
-            problem = describe_disagreement(self._optimizer_state.layout[1], self._device, group)
-            raise AveragingError(
-                f"{label}: the optimizers' state differs across ranks (build the same optimizer types and options,"
-                f" e.g. amsgrad, on every rank). {_shorten(problem or '')}"
-            )
-
-    def _abandon_round(self) -> None:
-        """A member was lost: drop the round in flight (its progress rides in the next one)."""
-        self._launched_at = None
-        self._round.abandon()
-
-    def _apply_phase(self) -> None:
-        for ddp, grad_sync, broadcast_buffers in self._ddp_settings or ():
-            # The local phase turns off both of DDP's collectives: the gradient allreduce (what
-            # no_sync() does, but for every forward in the phase) and the per-forward buffer broadcast
-            # (`broadcast_buffers`, a property over `forward_sync_buffers` since torch 2.13).
-            ddp.require_backward_grad_sync = grad_sync and not self.local
-            ddp.broadcast_buffers = broadcast_buffers and not self.local
-            if self.local and ddp.reducer._rebuild_buckets():
-                # DDP rebuilds its gradient buckets once, with a broadcast, in the first forward after
-                # the first synchronous backward. Doing it here, on every rank at the same step, keeps
-                # that broadcast out of the local phase.
-                ddp._has_rebuilt_buckets = True
-
-
-def _check_intact(intact: bool) -> None:
-    if not intact:
-        raise RuntimeError(
-            "Averager: a parameter or buffer was given new storage after the Averager was built (for"
-            " example by `.to()` or `param.data = ...`); move models before building the Averager."
-        )
-
-
-def _unwrap_steps(digits: int, near: int) -> int:
-    """The full count whose low 32 bits are ``digits``, nearest to ``near`` (the header keeps 32 bits)."""
-    base = near - (near % 2**32)
-    candidates = [base - 2**32 + digits, base + digits, base + 2**32 + digits]
-    return min(candidates, key=lambda c: abs(c - near))
-
-
-def _shorten(text: str, limit: int = 600) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."

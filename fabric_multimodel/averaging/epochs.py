@@ -15,43 +15,20 @@ import io
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from fabric_multimodel.averaging.driver import Driver
 from fabric_multimodel.averaging.pacing import Pace, gather_pace, paced
 from fabric_multimodel.comm.collectives import Traffic, broadcast_differences, group_rank, group_size
 from fabric_multimodel.comm.relay import post_bytes, relay_bytes
 from fabric_multimodel.membership.membership import Epoch, Membership, catch_up
 from fabric_multimodel.rounds.errors import PeerError
 from fabric_multimodel.rounds.round import Round
-from fabric_multimodel.rounds.schedule import Schedule
 
 _T = TypeVar("_T")
-
-
-class Driver(Protocol):
-    """The driver's public state that an epoch change reads and sets: the
-    :class:`~fabric_multimodel.Averager`'s counters, its group and its pace."""
-
-    process_group: dist.ProcessGroup | None
-    steps: int
-    rounds: int
-    finished_at: int | None
-    pace: Pace | None
-    traffic: Traffic
-    start_traffic: Traffic
-    sharded: bool
-    fragments: int
-    schedule: Schedule
-
-    @property
-    def local(self) -> bool: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

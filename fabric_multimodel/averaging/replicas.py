@@ -4,6 +4,7 @@ the replicas agree, bitwise?). The schedule of rounds is the :class:`~fabric_mul
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -29,6 +30,25 @@ if TYPE_CHECKING:
     from lightning_fabric import Fabric
 
 Modules = nn.Module | Iterable[nn.Module]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """Which replica this rank holds, of how many, and whether it writes that replica's checkpoint.
+
+    Between rounds every averaging rank holds a replica of its own, except in the islands layout,
+    where DDP keeps the processes of a node identical: one replica per node, written by the node's
+    first process. See :attr:`Averager.replica`.
+
+    Example::
+
+        replica = averager.replica
+        print(f"replica {replica.index} of {replica.count}", "(writes it)" if replica.writer else "")
+    """
+
+    index: int
+    count: int
+    writer: bool
 
 
 class HasDevice(Protocol):
