@@ -22,8 +22,6 @@ nitpick_ignore_regex = [
     (r"py:class", r"Fabric|ProcessGroup|Optimizer|HasDevice|Modules|Path|Tensor|Store|dist\.Work|timedelta|.*\._T"),
     # the round kinds are internal (what the Averager builds), documented in the design notes, not here
     (r"py:class", r"fabric_multimodel\.rounds\..*"),
-    # the round kinds are internal (what the Averager builds), documented in the design notes, not here
-    (r"py:class", r"fabric_multimodel\.rounds\..*"),
 ]
 # A builtin type in a signature (``bytes``) that is also an attribute's name (``Traffic.bytes``) is "more than one
 # target": Sphinx's, not a broken reference.

@@ -18,6 +18,7 @@ from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, node_gro
 from fabric_multimodel.checkpoints.files import CheckpointError, same_settings
 from fabric_multimodel.checkpoints.resume import restart_count
 from fabric_multimodel.checkpoints.sharded import ResumedSharded
+from fabric_multimodel.membership.link import CoordinatorLost
 from fabric_multimodel.membership.membership import RunEnded
 from fabric_multimodel.membership.names import site_of
 from fabric_multimodel.plan.payloads import PAYLOADS
@@ -207,14 +208,41 @@ def start_averager(
     if not options:
         return None
     transfer = transfer_printer("the run's state", fabric.local_rank == 0)
+    membership = cli.membership(args, fabric.device, on_transfer=transfer)
+    averager = Averager(fabric, modules, **options, **placement.averager, membership=membership)
+    fabric.print(averaging_line(args, averager))
+    return averager
+
+
+def join_run(fabric: Fabric, averager: Averager | None, state: dict[str, Any]) -> None:
+    """With ``--coordinator``, once this site resumed its own checkpoint: join the run (the sites agree on the newest
+    state any of them holds; ``state["step"]`` becomes the run's); a site started after the run's last round ends
+    here (exit 0: nothing to join)."""
+    if averager is None or averager.membership is None:
+        return
     try:
-        membership = cli.membership(args, fabric.device, on_transfer=transfer)
-        averager = Averager(fabric, modules, **options, **placement.averager, membership=membership)
+        averager.join()
     except RunEnded as error:
         fabric.print(f"run ended: {error}")
         raise SystemExit(0) from None
-    fabric.print(averaging_line(args, averager))
-    return averager
+    state["step"] = max(state["step"], averager.steps)
+
+
+class CoordinatorGuard:
+    """The block a live site trains in: a :class:`CoordinatorLost` raised in it (a site was lost while the coordinator
+    was away past its grace) ends the block, kept in ``error``, so that the site saves its checkpoint and says so."""
+
+    def __init__(self) -> None:
+        self.error: CoordinatorLost | None = None
+
+    def __enter__(self) -> CoordinatorGuard:
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if isinstance(error, CoordinatorLost):
+            self.error = error
+            return True
+        return False
 
 
 def data_rank(fabric: Fabric, args: argparse.Namespace) -> int:
@@ -290,11 +318,16 @@ def summary(
     return "\n".join(line for line in lines if line)
 
 
-def stopped(fabric: Fabric, loop: Loop) -> int:
-    """After a stop on SIGTERM (every rank at one step, its checkpoint written): close the loop and say how to go
-    on; the exit code (143, as a process ended by SIGTERM)."""
+def stopped(fabric: Fabric, loop: Loop, guard: CoordinatorGuard | None = None) -> int:
+    """After a stop (every rank at one step, its checkpoint written: SIGTERM, or a live site's coordinator out of
+    reach past its grace; or, in ``guard``, a round failed meanwhile, whose checkpoint is written here): close the
+    loop and say how to go on; the exit code (143, as a process ended by SIGTERM)."""
+    if guard is not None and guard.error is not None:
+        loop.save(reason=f"a lost coordinator ({guard.error})")
     loop.close()
-    fabric.print(f"stopped by SIGTERM at step {loop.step}; resume with --resume {loop.saved}")
+    live = loop.averager is not None and loop.averager.membership is not None
+    how = "the same command resumes it" if live else f"resume with --resume {loop.saved}"
+    fabric.print(f"stopped by {loop.stop_reason} at step {loop.step}; {how}")
     return 143
 
 
@@ -330,12 +363,19 @@ def checkpoints(
     match the checkpoint's, which must not be beyond ``--steps``; the ``--resume auto`` line ends with ``phases``.
     """
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
-    if args.resume is None:
+    resume = args.resume
+    if resume is None and getattr(args, "coordinator", None):  # a live site's own file: the same command resumes it
+        resume = AUTO
+    if resume is None:
         return checkpointer
     validate = same_settings(state["config"], spell=_flag)  # the load replaces state["config"] with the checkpoint's
-    path = args.out / checkpoint_name(args) if args.resume == AUTO else args.resume
+    path = (
+        (checkpointer.own_path if args.resume is None else args.out / checkpoint_name(args))
+        if resume == AUTO
+        else resume
+    )
     try:
-        if args.resume != AUTO:
+        if resume != AUTO:
             extra = checkpointer.load(path, state, validate=validate)
         else:
             progress = transfer_printer("--resume auto", fabric.local_rank == 0)

@@ -30,6 +30,10 @@ sending 49% of the bytes, in 77.6 s (iter_ms_mean=21.73).
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch: its store client logs with C++ stack frames
+
 import argparse
 import importlib.util
 import inspect
@@ -42,11 +46,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from common import (
+    CoordinatorGuard,
     add_averaging_arguments,
     add_run_arguments,
     check_arguments,
     checkpoints,
     data_rank,
+    join_run,
     layout,
     main,
     mode_name,
@@ -222,6 +228,7 @@ def train(args: argparse.Namespace) -> int | None:
         **({"averager": averager, "step": averager.steps} if averager else {"step": 0}),
     }  # fmt: skip
     checkpointer = checkpoints(fabric, args, state, averager, phases)  # resumed: the values in `state`
+    join_run(fabric, averager, state)  # --coordinator: this site joins the run (the newest state any holds)
     grad_bytes.bytes = state["grad_bytes"]
 
     def checkpoint() -> dict[str, Any]:  # what a checkpoint holds, at the loop's step
@@ -239,7 +246,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None and loop.step >= args.warmup_steps:  # resumed past warm-up: the pace is known
         warmup_ended(fabric, averager, loop, progress)
     epoch_seen = report_membership(fabric, averager, (0, None))
-    with averager or nullcontext():
+    with CoordinatorGuard() as guard, averager or nullcontext():
         for step in loop:
             tick = time.perf_counter()
             set_learning_rate([opt_g, opt_d], learning_rate(args, step, loop.last))
@@ -275,8 +282,8 @@ def train(args: argparse.Namespace) -> int | None:
                 if args.dataset == "ring" and (fabric.is_global_zero or sharded):  # rank 0's replica, cheap
                     metrics.update(ring_quality(generate(gen, EVAL_SAMPLES, z_dim))._asdict())
                 fabric.log_dict(metrics, step=step)
-    if loop.stopped:  # SIGTERM: every rank stopped at one step, after a checkpoint
-        return stopped(fabric, loop)
+    if loop.stopped or guard.error:  # every rank stopped at one step, after a checkpoint
+        return stopped(fabric, loop, guard)
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
     progress.close()

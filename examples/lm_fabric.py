@@ -42,6 +42,10 @@ step in 117 rounds, sending 28% of the bytes.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch: its store client logs with C++ stack frames
+
 import argparse
 import hashlib
 import math
@@ -56,12 +60,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from common import (
+    CoordinatorGuard,
     add_averaging_arguments,
     add_run_arguments,
     check_arguments,
     checkpoints,
     data_rank,
     fail,
+    join_run,
     layout,
     link_line,
     main,
@@ -426,6 +432,7 @@ def train(args: argparse.Namespace) -> int | None:
         **({"averager": averager, "step": averager.steps} if averager else {"step": 0}),
     }  # fmt: skip
     checkpointer = checkpoints(fabric, args, state, averager, phases)  # resumed: the values in `state`
+    join_run(fabric, averager, state)  # --coordinator: this site joins the run (the newest state any holds)
     grad_bytes.bytes = state["grad_bytes"]
     stream = Stream(corpus.train, args.context, args.seed, data_rank(fabric, args), state["data_position"])
     eval_batches = [b.to(fabric.device) for b in validation_batches(corpus.val, args.eval_batches, args.context)]
@@ -460,7 +467,7 @@ def train(args: argparse.Namespace) -> int | None:
     if averager is not None and loop.step >= args.warmup_steps:  # resumed past warm-up: the pace is known
         warmup_ended(fabric, averager, loop, progress)
     epoch_seen = report_membership(fabric, averager, (0, None))
-    with averager or nullcontext():
+    with CoordinatorGuard() as guard, averager or nullcontext():
         for step in loop:
             tick = time.perf_counter()
             for group in optimizer.param_groups:
@@ -485,8 +492,8 @@ def train(args: argparse.Namespace) -> int | None:
             if step % args.log_every == 0 and step < loop.last:  # the last step is logged after the block
                 log(step, loss, time.perf_counter() - wall)
             end = (time.perf_counter(), sent())
-    if loop.stopped:  # SIGTERM: every rank stopped at one step, after a checkpoint
-        return stopped(fabric, loop)
+    if loop.stopped or guard.error:  # every rank stopped at one step, after a checkpoint
+        return stopped(fabric, loop, guard)
     # Leaving the Averager's block averaged once more: all replicas are identical now.
     wall = time.perf_counter() - wall
     end_round = (time.perf_counter() - end[0], sent() - end[1])

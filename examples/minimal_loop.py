@@ -7,16 +7,19 @@ a clean stop on SIGTERM, a resume from --out when the same command runs again, a
     SITE=a python examples/minimal_loop.py --coordinator HOST:29400  # python -m fabric_multimodel.coordinator
 """
 
+import os
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch: its store client logs with C++ stack frames
+
 import argparse
 import functools
-import os
 import time
 
 import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from fabric_multimodel import Averager, Checkpointer, Loop, Membership, setup_models
+from fabric_multimodel import Averager, Checkpointer, CoordinatorLost, Loop, Membership, RunEnded, setup_models
 from fabric_multimodel.membership.names import SITE_NAME_RULE, is_site_name
 from fabric_multimodel.run.cli import configure_logging
 from fabric_multimodel.run.launch import start_fabric
@@ -32,35 +35,47 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--out", default="runs/minimal", help="checkpoints; a run started again resumes from here")
     p.add_argument("--coordinator", help="HOST:PORT: this world is site $SITE of a run whose sites come and go")
+    p.add_argument("--min-sites", type=int, default=1, help="with --coordinator: the sites the run starts with")
+    p.add_argument("--grace", type=float, default=300.0, help="seconds the coordinator may be away (it trains on)")
     args = p.parse_args()
-    if args.coordinator and not is_site_name(os.environ.get("SITE", "")):
-        p.error(f"SITE={os.environ.get('SITE', '')[:40]!r}...: {SITE_NAME_RULE}")  # before the coordinator hears of it
+    site = os.environ.get("SITE", "")
+    if args.coordinator and not is_site_name(site):
+        p.error(f"SITE={site[:40]!r}...: {SITE_NAME_RULE}")  # before the coordinator hears of it
     configure_logging("INFO")  # the library's lines: epochs, joins and losses, resumes
     fabric = start_fabric(Fabric)  # in the world `fabric run`, torchrun or the sites tool made, or one process
     torch.manual_seed(0)
     (model,) = setup_models(fabric, model=nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
-    membership = Membership(args.coordinator, os.environ["SITE"], device=fabric.device) if args.coordinator else None
+    options = {"device": fabric.device, "min_sites": args.min_sites, "grace_s": args.grace}
+    membership = Membership(args.coordinator, site, **options) if args.coordinator else None
     averager = Averager(fabric, model, period=32, warmup_steps=0, fragments=2, overlap_steps=2, outer_optimizer=outer,
                         comm_dtype=torch.float8_e4m3fn, membership=membership)  # fmt: skip
     checkpointer = Checkpointer(fabric, args.out, averager=averager)
-    state = {"model": model, "optimizer": optimizer, "averager": averager, "step": averager.steps}  # a joiner's too
-    if (membership is None and checkpointer.resume(state)) or state["step"]:  # or it joined a run under way
-        fabric.print(f"resumed at step {state['step']} from {args.coordinator or args.out}")
+    state = {"model": model, "optimizer": optimizer, "averager": averager, "step": 0}
+    if checkpointer.resume(state):  # its own newest; with --coordinator, the sites then agree on the run's newest
+        fabric.print(f"resumed at step {state['step']} from {checkpointer.own_path}")
     # A checkpoint after each round (it sends nothing), and on SIGTERM every rank stops at one step after one.
     loop = Loop(averager, args.steps, checkpointer=checkpointer, state=lambda: state | {"step": loop.step},
                 checkpoint_rounds=True)  # fmt: skip
     wall = time.perf_counter()
-    with averager:
-        for step in loop:
-            fabric.backward(loss_of(model, step, fabric.global_rank, fabric.device))
-            optimizer.step()
-            optimizer.zero_grad()
-            averager.step()
+    try:
+        with averager:  # with --coordinator, this site joins the run here (behind the others: their step and model)
+            if averager.steps > state["step"]:
+                fabric.print(f"joined the run at step {averager.steps}")
+            for step in loop:
+                fabric.backward(loss_of(model, step, fabric.global_rank, fabric.device))
+                optimizer.step()
+                optimizer.zero_grad()
+                averager.step()
+    except RunEnded as error:  # it started after the run's last round
+        fabric.print(f"run ended: {error}")
+        return 0
+    except CoordinatorLost as error:  # a site was lost while the coordinator was away, past its grace
+        loop.save(reason=f"a lost coordinator ({error})")
     loop.close()  # the checkpoint written in the background lands; a site waiting to join stops waiting
     if loop.stopped:
-        fabric.print(f"stopped by SIGTERM at step {loop.step}; the same command resumes it")
+        fabric.print(f"stopped by {loop.stop_reason} at step {loop.step}; the same command resumes it")
         return 143
     val_loss, seconds = loss_of(model, 10**6, 0, fabric.device).item(), time.perf_counter() - wall  # held out
     fabric.print(

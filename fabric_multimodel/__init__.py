@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from fabric_multimodel.comm.node_groups import NodeGroups, node_groups
     from fabric_multimodel.ddp.frozen import frozen
     from fabric_multimodel.ddp.models import Models, ddp_of, setup_models
+    from fabric_multimodel.membership.link import CoordinatorLost
     from fabric_multimodel.membership.membership import Epoch, Membership, RunEnded
     from fabric_multimodel.rounds.errors import AveragingError, NonFiniteError, PeerError
     from fabric_multimodel.run.loop import Loop
@@ -45,6 +46,7 @@ _HOMES = {
     "Epoch": "membership.membership",
     "Membership": "membership.membership",
     "RunEnded": "membership.membership",
+    "CoordinatorLost": "membership.link",
     "Models": "ddp.models",
     "ddp_of": "ddp.models",
     "setup_models": "ddp.models",
@@ -61,6 +63,7 @@ __all__ = [
     "AveragerConfig",
     "AveragingError",
     "Checkpointer",
+    "CoordinatorLost",
     "Epoch",
     "Loop",
     "Membership",

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from fabric_multimodel import Averager
 from fabric_multimodel.comm.collectives import POLL_S, wait_all
-from fabric_multimodel.membership.membership import NAMELESS, Membership, RunEnded, _Decision
+from fabric_multimodel.membership.decisions import Decision
+from fabric_multimodel.membership.membership import NAMELESS, Membership, RunEnded
 from fabric_multimodel.membership.names import MAX_SITE_NAME, check_site_name, site_of
 from fabric_multimodel.membership.stores import coordinator_store
 from fabric_multimodel.run.launch import free_port, process_context
@@ -351,8 +352,8 @@ names = st.text(alphabet=st.characters(blacklist_characters="#,|", blacklist_cat
 @given(members=st.lists(st.tuples(names, st.integers(1, 10**6)), unique=True), seen=st.integers(0, 10**6))
 def test_a_decision_reads_back_as_written(members: list[tuple[str, int]], seen: int) -> None:
     """What the store holds for an epoch: its members' tokens and the registrations it has seen, exactly."""
-    decision = _Decision(tuple(f"{site}#{n}" for site, n in members), seen)
-    assert _Decision.decode(decision.encode().encode()) == decision
+    decision = Decision(tuple(f"{site}#{n}" for site, n in members), seen)
+    assert Decision.decode(decision.encode().encode()) == decision
     assert [site_of(token) for token in decision.members] == [site for site, _ in members]
 
 

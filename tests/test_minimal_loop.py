@@ -5,6 +5,7 @@ started as a user starts them: the second joins the first's run and both end wit
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from fabric_multimodel.checkpoints.files import read_checkpoint
 from fabric_multimodel.run.launch import free_port, stop_process_tree
 from fabric_multimodel.run.report import parse_final_line
 
@@ -39,12 +41,16 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, stdout, stderr
 
 
-def start_coordinator() -> tuple[subprocess.Popen, int]:
-    port = free_port()
+def start_coordinator_on(port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", str(port)]
     coordinator = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert coordinator.stdout is not None and "serving on port" in coordinator.stdout.readline()
-    return coordinator, port
+    return coordinator
+
+
+def start_coordinator() -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    return start_coordinator_on(port), port
 
 
 def start_site(site: str, port: int, out: Path, steps: int = SITE_STEPS) -> subprocess.Popen:
@@ -99,7 +105,7 @@ def test_a_site_joins_a_run_under_way_and_both_end_with_the_same_model(tmp_path:
     finals = [parse_final_line(out, KEYS) for _, out, _ in results]
     assert finals[0]["steps"] == finals[1]["steps"] == str(SITE_STEPS), finals
     assert finals[0]["val_loss"] == finals[1]["val_loss"] and finals[0]["rounds"] == finals[1]["rounds"], finals
-    joined = [out.split("resumed at step ")[1].split()[0] for _, out, _ in results if "resumed at step " in out]
+    joined = [out.split("joined the run at step ")[1].split()[0] for _, out, _ in results if "joined the run" in out]
     assert len(joined) == 1 and int(joined[0]) > 0, [out[-1000:] for _, out, _ in results]  # the second site
 
 
@@ -117,3 +123,124 @@ def test_a_site_with_a_bad_name_stops_in_one_line_and_the_next_site_trains_as_on
     assert code == 0, out[-2000:] + err[-3000:]
     assert parse_final_line(out, KEYS)["steps"] == str(STEPS)  # alone from step 0: nobody was ahead of it
     assert "resumed at step" not in out
+
+
+class Site:
+    """A live site of the minimal loop whose output goes to files (read while it runs)."""
+
+    def __init__(self, name: str, port: int, folder: Path, steps: int, *extra: str) -> None:
+        self.log = folder / f"{name}.log"
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "examples/minimal_loop.py", "--steps", str(steps), "--out", str(folder / name)]
+        cmd += ["--coordinator", f"127.0.0.1:{port}", *extra]
+        with self.log.open("w") as log:
+            env = {**os.environ, "SITE": name}
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=TIMEOUT_S)
+        finally:
+            stop_process_tree(self.proc)
+
+
+def three_sites(port: int, folder: Path, steps: int, *extra: str) -> list[Site]:
+    """Three live sites, started together; returned once all three train in one epoch."""
+    sites = [Site(name, port, folder, steps, *extra) for name in ("a", "b", "c")]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not all(re.search(r"epoch \d+: 3 sites", site.output) for site in sites):
+        assert all(site.proc.poll() is None for site in sites) and time.monotonic() < deadline, sites[0].output
+        time.sleep(0.1)
+    return sites
+
+
+def clean(site: Site) -> None:
+    """No traceback, Python's or torch's C++ one, in a site's output."""
+    assert "Traceback" not in site.output and "frame #" not in site.output, site.output[-3000:]
+
+
+LIVE_STEPS = 1500
+
+
+@pytest.mark.slow
+def test_three_sites_train_on_through_the_coordinators_restart_and_end_with_the_same_model(tmp_path: Path) -> None:
+    port = free_port()
+    coordinator = start_coordinator_on(port)
+    sites: list[Site] = []
+    try:
+        sites = three_sites(port, tmp_path, LIVE_STEPS)
+        coordinator.kill()  # SIGKILL: its store is gone
+        coordinator.wait()
+        time.sleep(3)
+        assert all(site.proc.poll() is None for site in sites)  # training on without it
+        coordinator = start_coordinator_on(port)  # on the same port, empty
+        codes = [site.finish() for site in sites]
+    finally:
+        for proc in [*(site.proc for site in sites), coordinator]:
+            stop_process_tree(proc)
+    for site, code in zip(sites, codes):
+        assert code == 0, site.output[-3000:]
+        assert "lost (" in site.output and "back after" in site.output, site.output[-3000:]
+        clean(site)
+    finals = [parse_final_line(site.output, KEYS) for site in sites]
+    assert {f["val_loss"] for f in finals} == {finals[0]["val_loss"]} and finals[0]["steps"] == str(LIVE_STEPS)
+    assert sum("came back empty: put back run" in site.output for site in sites) >= 1
+
+
+@pytest.mark.slow
+def test_sites_stop_past_the_grace_and_the_same_commands_resume_them(tmp_path: Path) -> None:
+    """The coordinator killed for good: every site saves and stops in one line; then the coordinator and the same
+    commands again: every site resumes from its own checkpoint, at the step it stopped, and ends the run."""
+    port = free_port()
+    coordinator = start_coordinator_on(port)
+    sites: list[Site] = []
+    try:
+        sites = three_sites(port, tmp_path, LIVE_STEPS, "--grace", "3")
+        coordinator.kill()
+        coordinator.wait()
+        codes = [site.finish() for site in sites]
+        outputs = [site.output for site in sites]
+        stopped = [int(re.findall(r"stopped by a lost coordinator .* at step (\d+)", out)[0]) for out in outputs]
+        coordinator = start_coordinator_on(port)
+        again = [Site(name, port, tmp_path, LIVE_STEPS) for name in ("a", "b", "c")]  # the same commands
+        again_codes = [site.finish() for site in again]
+    finally:
+        for proc in [*(site.proc for site in sites), coordinator]:
+            stop_process_tree(proc)
+    assert codes == [143, 143, 143], [out[-2000:] for out in outputs]
+    for site, at, code in zip(again, stopped, again_codes):
+        assert code == 0 and f"resumed at step {at} from " in site.output, site.output[-3000:]
+        assert parse_final_line(site.output, KEYS)["steps"] == str(LIVE_STEPS)
+        clean(site)
+
+
+@pytest.mark.slow
+def test_a_run_killed_whole_resumes_from_each_sites_checkpoint_and_ends_as_one(tmp_path: Path) -> None:
+    """Every site and the coordinator SIGKILLed mid-run, then the same commands: each site resumes from its own
+    newest checkpoint (not from step 0, not a joiner's step), and the three end at the run's step with one model."""
+    port = free_port()
+    coordinator = start_coordinator_on(port)
+    sites: list[Site] = []
+    try:
+        sites = three_sites(port, tmp_path, LIVE_STEPS)
+        time.sleep(3)
+        for proc in [*(site.proc for site in sites), coordinator]:
+            proc.kill()
+            proc.wait()
+        saved = {name: read_checkpoint(tmp_path / name / f"checkpoint.site-{name}.pt")["step"] for name in "abc"}
+        assert all(0 < step < LIVE_STEPS for step in saved.values()), saved
+        coordinator = start_coordinator_on(port)
+        sites = [Site(name, port, tmp_path, LIVE_STEPS) for name in "abc"]
+        codes = [site.finish() for site in sites]
+    finally:
+        for proc in [*(site.proc for site in sites), coordinator]:
+            stop_process_tree(proc)
+    for site, code in zip(sites, codes):
+        assert code == 0 and f"resumed at step {saved[site.log.stem]} from " in site.output, site.output[-3000:]
+        clean(site)
+    finals = [parse_final_line(site.output, KEYS) for site in sites]
+    assert {f["val_loss"] for f in finals} == {finals[0]["val_loss"]} and finals[0]["steps"] == str(LIVE_STEPS)

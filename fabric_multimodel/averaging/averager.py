@@ -104,12 +104,9 @@ class Averager:
         #: runs on the group of the epoch this site is in (``process_group`` is that group).
         self.membership = membership
         self._epochs: Epochs | None = None
-        epoch = None
         if membership is not None:  # every check before this site registers, so a mistake costs the others nothing
             check_membership(config, process_group, node_group)
             placement = check_placement(module_list, self.optimizers, None, None, config, across_sites=True)
-            epoch = membership.join()
-            process_group = epoch.group
         else:
             placement = check_placement(module_list, self.optimizers, process_group, node_group, config)
         #: True when the modules are FSDP2 shards (``fully_shard`` inside each site): a round averages this
@@ -135,6 +132,7 @@ class Averager:
         self._phase = LocalPhase([] if self.islands else placement.ddps)  # the DDPs switched off after warm-up
         self._reset_counters()
         self._agreement = built.agreement
+        self.leaving = False  # see leave()
         self._apart = self.islands or membership is not None  # the replicas train apart in warm-up
         state = OptimizerStateStorage(self.optimizers)  # what blocking rounds average with the models
         self._runner = RoundRunner(self, built.round, built.node_round, state, self._device, apart=self._apart)
@@ -142,12 +140,27 @@ class Averager:
         self.start_traffic = Traffic()
         # Islands: the node's processes hold one replica between them; the first one writes it.
         self._writes_replica = not self.islands or all(group_rank(ddp.process_group) == 0 for ddp in placement.ddps)
-        if membership is not None and epoch is not None:
-            self._epochs = self._runner.epochs = Epochs(self, self._driver_hooks(), membership)
-            self._epochs.enter(epoch)
-        else:
+        if membership is None:
             self._check_agreement(built.agreement)
             self.start_traffic = self._start_islands()
+
+    def join(self) -> None:
+        """With a membership: register, wait to be admitted, and enter the first epoch, where the members behind
+        (this site, or those it is ahead of) receive the newest state; nothing otherwise, or once joined. The ``with``
+        block calls it: a site resumes its own checkpoint before, so that its progress counts when the members
+        compare theirs (:class:`~fabric_multimodel.RunEnded` for a site that comes after the run ended).
+
+        Example::
+
+            checkpointer.resume(state)  # this site's own newest checkpoint
+            averager.join()  # the run's newest state, if another site holds a newer one
+        """
+        if self.membership is None or self._epochs is not None:
+            return
+        epoch = self.membership.join()
+        self.process_group = epoch.group
+        self._epochs = self._runner.epochs = Epochs(self, self._driver_hooks(), self.membership)
+        self._epochs.enter(epoch)
 
     def _driver_hooks(self) -> DriverHooks:
         """What this Averager lends its epochs (a live membership's) beyond its public state."""
@@ -257,6 +270,7 @@ class Averager:
     def __enter__(self) -> Averager:
         if self._phase.entered:
             raise RuntimeError("Averager: this averager is already in use; enter its `with` block once.")
+        self.join()
         self._phase.enter()
         self._phase.apply(self.local)
         return self
@@ -268,7 +282,7 @@ class Averager:
         traceback: TracebackType | None,
     ) -> None:
         try:
-            if exc_type is not None:
+            if exc_type is not None or self.leaving:
                 self._runner.discard_pending()
             else:
                 # In the local phase every rank ends with a round, needed or not (then it changes nothing):
@@ -306,6 +320,21 @@ class Averager:
     @pace.setter
     def pace(self, pace: Pace | None) -> None:  # a membership agrees it again at each epoch
         self.cadence.pace = pace
+
+    def leave(self) -> None:
+        """This live site stops here on its own (a signal, a lost coordinator): leaving the ``with`` block then makes
+        no round (the other sites are in rounds of their own; they see it gone). :class:`~fabric_multimodel.Loop`
+        calls it when it stops a site under a membership.
+
+        Example::
+
+            if membership.coordinator_lost:
+                checkpointer.save(state)
+                averager.leave()
+                break
+        """
+        #: True once :meth:`leave` was called.
+        self.leaving = True
 
     @property
     def local(self) -> bool:
@@ -449,6 +478,7 @@ class Averager:
             averager.sync()
             fabric.save("ckpt.pt", {"gen": gen, "opt_g": opt_g, "averager": averager})
         """
+        self.join()
         with self._round.storage.synced():
             while True:
                 try:
@@ -488,7 +518,7 @@ class Averager:
             state["fragments_synced_at"] = list(synced_at)
         state.update(self.cadence.state_dict(live=self.membership is not None))
         state.update(self._round.state_dict())
-        if self.anchored:
+        if self.anchored and self.membership is None:  # a live site's rank changes with its epochs: not a name
             state["replica"] = self.replica.index
         return state
 

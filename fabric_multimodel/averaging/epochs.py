@@ -14,7 +14,7 @@ import dataclasses
 import io
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from fabric_multimodel.averaging.driver import Driver
 from fabric_multimodel.averaging.pacing import Pace, gather_pace, paced
-from fabric_multimodel.comm.collectives import Traffic, broadcast_differences, group_rank, group_size
+from fabric_multimodel.comm.collectives import Traffic, all_gather_single, broadcast_differences, group_rank, group_size
 from fabric_multimodel.comm.relay import post_bytes, relay_bytes
-from fabric_multimodel.membership.membership import Epoch, Membership, catch_up
+from fabric_multimodel.membership.membership import Epoch, Membership
 from fabric_multimodel.rounds.errors import PeerError
 from fabric_multimodel.rounds.round import Round
 
@@ -157,6 +157,8 @@ class Epochs:
             traffic = averager.traffic
             averager.load_state_dict(torch.load(io.BytesIO(data), map_location=hooks.device, weights_only=False))
             averager.traffic = traffic  # what this process sent; the state's counters are the sender's
+            if averager.anchored and averager.local:  # the modules start from the global model the state holds
+                averager.restore_global()
             if averager.local and pace_inputs is None:  # the members trained on while the state crossed: enter
                 averager.steps = averager.schedule.next_round(averager.steps) - 1  # the round they are headed for
         if pace_inputs is not None:
@@ -238,6 +240,26 @@ class Epochs:
             self._pace_due = False
         else:
             averager.pace = pace
+
+
+def catch_up(
+    progress: Sequence[int], device: torch.device, group: dist.ProcessGroup
+) -> tuple[int | None, list[int], list[int]]:
+    """Which member of ``group`` holds the newest state, which are behind it, and the newest ``progress``, from each
+    member's (ints of the same length on every member, compared in order: say the step, then the step of the last
+    round). ``(None, [], progress)`` when every member is where the others are. One all-gather.
+
+    Example::
+
+        source, behind, _ = catch_up([averager.steps, averager.finished_at or -1], fabric.device, epoch.group)
+    """
+    mine = torch.tensor(list(progress), dtype=torch.int64, device=device)
+    everyone = torch.zeros(group.size() * mine.numel(), dtype=torch.int64, device=device)
+    all_gather_single(everyone, mine, group=group)
+    rows = [list(row) for row in everyone.view(group.size(), -1).tolist()]
+    newest = max(rows)
+    behind = [rank for rank, row in enumerate(rows) if row != newest]
+    return (rows.index(newest) if behind else None), behind, newest
 
 
 def _local_shards(state: Any) -> Any:

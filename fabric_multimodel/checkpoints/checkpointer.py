@@ -25,6 +25,7 @@ from fabric_multimodel.checkpoints.files import (
     remove_stale_temporaries,
     replica_path,
     save_checkpoint,
+    site_path,
     validated,
 )
 from fabric_multimodel.checkpoints.resume import Resumed, resume_latest
@@ -82,13 +83,17 @@ class Checkpointer:
         self.sharded = averager is not None and averager.sharded
         #: The replica (with FSDP2: the site) whose copies this process writes and resumes from.
         self.replica = averager.replica.index if averager is not None else 0
+        membership = averager.membership if averager is not None else None
         if self.sharded:
             assert averager is not None
             self.path = replica_path(folder / "checkpoint", averager.replica.index)
+        if membership is not None:  # a live site's rank changes with its epochs; its name does not
+            self.replica = 0
+            self.path = site_path(folder / ("checkpoint" if self.sharded else "checkpoint.pt"), membership.site)
         if self.local:
             assert averager is not None
             replica = averager.replica
-            self.writer = CheckpointWriter(replica_path(self.path, replica.index), enabled=replica.writer)
+            self.writer = CheckpointWriter(replica_path(self.path, self.replica), enabled=replica.writer)
         else:  # a sharded run writes its round checkpoints in the training thread (DCP's collectives are the site's)
             self.writer = CheckpointWriter(self.path, enabled=rounds and fabric.local_rank == 0 and not self.sharded)
         #: Seconds each sharded round checkpoint held the training thread.

@@ -26,6 +26,7 @@ from torch import nn
 
 from fabric_multimodel.ddp.families import is_instance
 from fabric_multimodel.ddp.models import builds_plain_ddp
+from fabric_multimodel.membership.names import check_site_name
 
 if TYPE_CHECKING:
     from lightning_fabric import Fabric
@@ -132,6 +133,19 @@ def replica_path(path: str | os.PathLike, index: int) -> Path:
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"replica_path: `index` must be a whole number >= 0, got {index!r}.")
     return path if index == 0 else path.with_name(f"{path.stem}.replica{index}{path.suffix}")
+
+
+def site_path(path: str | os.PathLike, site: str) -> Path:
+    """Where a live site (a :class:`~fabric_multimodel.Membership`'s) keeps its own checkpoint: ``<stem>.site-<site>
+    <suffix>`` beside ``path``. A site's rank changes with its epochs, its name does not: the same command started
+    again finds its own file.
+
+    Example::
+
+        site_path("runs/lm/checkpoint.pt", "berlin")  # runs/lm/checkpoint.site-berlin.pt
+    """
+    path = Path(path)
+    return path.with_name(f"{path.stem}.site-{check_site_name(site)}{path.suffix}")
 
 
 class CheckpointWriter:

@@ -1,47 +1,26 @@
 """Live membership: sites that come and go while the others train on, with no restart.
 
-Each site is a job of its own (its own ``fabric run`` or torchrun). The sites that train together agree,
-through a store on a coordinator outside every site (``python -m fabric_multimodel.coordinator``, a bare
-``TCPStore``; or an etcd cluster, :mod:`fabric_multimodel.membership.etcd_store`, which survives the loss of a member of
-its own), on the members of each *epoch*, and each epoch has a process group of its own among its
-members, made from that store (:func:`~fabric_multimodel.comm.collectives.standalone_group`). An
-:class:`~fabric_multimodel.Averager` given a :class:`Membership` runs each round on the group of the epoch it
-is in, and moves to the next epoch at a round boundary (a site joined) or when a round fails (a site left).
+Each site is a job of its own (its own ``fabric run`` or torchrun). The sites that train together agree, through a
+store on a coordinator outside every site (``python -m fabric_multimodel.coordinator``, or an etcd cluster:
+:mod:`fabric_multimodel.membership.etcd_store`), on the members of each *epoch*, and each epoch has a process group of
+its own among its members (:func:`~fabric_multimodel.comm.collectives.standalone_group`). An
+:class:`~fabric_multimodel.Averager` given a :class:`Membership` runs each round on its epoch's group, and moves to the
+next epoch at a round boundary (a site joined) or when a round fails (a site left).
 
-Every decision is one key of the store, written once with ``compare_set``: the first proposal wins and every
-member reads the same value, so no member leads and any site may be lost, the first one included.
-
-- A site *registers* (the ``joins`` counter; ``join/<n>`` holds its name) and waits to be admitted. The first
-  epoch is the first ``min_sites`` sites to register. A registration whose name never comes (its site died between
-  taking the number and writing the name) is passed over after ``3 * heartbeat_s``: nobody waits on it.
-- At a *round boundary* (a round finished, none in flight) every member proposes for
-  ``epoch/<e>/round/<r>``: ``keep``, or the members and the sites registered since whose heartbeat it saw move
-  (a registrant whose heartbeat stood still for ``3 * heartbeat_s`` died waiting, and is passed over, told
-  ``gone`` should it still wait: it registers again). A change is epoch ``e + 1``; the admitted sites find their
-  epoch under ``admit/<token>``.
-- When a round *fails* (a peer exited, or the group's ``timeout`` passed), each survivor checks in under
-  ``epoch/<e>/alive/<token>`` and waits until every member whose heartbeat still moves has checked in (a
-  heartbeat that stood still for ``3 * heartbeat_s`` is a member gone; ``timeout`` at most); the first proposal
-  for ``epoch/<e>/next`` (those checked in, and the sites registered since) is the next epoch. A member left
-  out of it registers again, as a new site.
-
-A member is a *token*, ``<site>#<n>`` (its registration number ``n``), so a site that starts again is a new
-member, never confused with the process it replaces. Epoch ``e + 1`` lists the members kept from epoch ``e``
-first, in their order, then the new ones: its rank 0 is the oldest member still there.
-
-A site may be several processes (``fabric run --devices 2``: the site's own world, its DDP inside): every site
-then has as many, and process ``i`` of each site meets process ``i`` of the others in the epoch's group ``i``.
-The site registers once (its process 0) and its processes read every decision from the store alike; where they
-could see a failure differently (a round, a group being made) they agree first (:meth:`Membership.agree`, one
-all-reduce inside the site), so a site always moves as one.
+Every decision is one key of the store, written once with ``compare_set``: the first proposal wins and every member
+reads the same value, so no member leads and any site may be lost, the first one included. A member is a *token*,
+``<site>#<n>`` (its registration number), so a site that starts again is a new member. A site of several processes
+registers once and moves as one (:meth:`Membership.agree`). The rounds never need the coordinator: a site that loses it
+trains on in its epoch while changes wait (:mod:`fabric_multimodel.membership.link`), and puts the run's state back
+into a coordinator that returns empty. The keys, step by step: the design notes, "Live membership".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -49,9 +28,11 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from fabric_multimodel.comm.collectives import all_gather_single, standalone_group
+from fabric_multimodel.comm.collectives import standalone_group
+from fabric_multimodel.membership.decisions import Decision, put_back
+from fabric_multimodel.membership.link import CoordinatorLink, Unreachable
 from fabric_multimodel.membership.names import check_site_name, site_of
-from fabric_multimodel.membership.stores import check_coordinator, coordinator_store
+from fabric_multimodel.membership.stores import check_coordinator
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -71,8 +52,9 @@ class RunEnded(RuntimeError):
 
     Example::
 
+        averager = Averager(fabric, model, period=128, membership=membership)
         try:
-            averager = Averager(fabric, model, period=128, membership=membership)
+            averager.join()  # or the with block does
         except RunEnded:
             print("the run is over")
     """
@@ -106,22 +88,6 @@ class Epoch:
         return tuple(site_of(token) for token in self.members)
 
 
-@dataclass(frozen=True)
-class _Decision:
-    """What a key of the store says an epoch is: its members, and the registrations it has seen."""
-
-    members: tuple[str, ...]
-    registrations: int
-
-    def encode(self) -> str:
-        return f"{self.registrations}|{','.join(self.members)}"
-
-    @classmethod
-    def decode(cls, value: bytes) -> _Decision:
-        registrations, _, members = value.decode().partition("|")
-        return cls(tuple(m for m in members.split(",") if m), int(registrations))
-
-
 class Membership:
     """This site's membership in a run whose sites come and go: registration, the epochs it takes part in, and
     the process group of each.
@@ -140,6 +106,8 @@ class Membership:
         max_sites: the most members an epoch may have (sites past it wait for a place).
         on_transfer: called as ``on_transfer(bytes_done, bytes_total, seconds)`` every few seconds and at the end
             while this site receives the state of the run from a member (it joined, or missed a round).
+        grace_s: how long the coordinator may be out of reach: the site trains on in its epoch meanwhile (changes
+            wait), and past it stops (:attr:`coordinator_lost`, :class:`CoordinatorLost`). See the operator's guide.
 
     Build it once the site's own world started (``fabric.launch()``): a site of several processes is the default
     process group, and every site of the run must have as many.
@@ -164,6 +132,7 @@ class Membership:
         run: str = "run",
         max_sites: int = 64,
         on_transfer: Callable[[int, int, float], None] | None = None,
+        grace_s: float = 300.0,
     ) -> None:
         try:
             check_coordinator(coordinator)
@@ -180,38 +149,36 @@ class Membership:
                 raise ValueError(f"Membership: `{name}` must be a positive int, got {value!r}.")
         if min_sites > max_sites:
             raise ValueError(f"Membership: `min_sites` ({min_sites}) is more than `max_sites` ({max_sites}).")
-        for name, seconds in (("timeout", timeout), ("heartbeat_s", heartbeat_s)):
+        for name, seconds in (("timeout", timeout), ("heartbeat_s", heartbeat_s), ("grace_s", grace_s)):
             if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds > 0:
                 raise ValueError(f"Membership: `{name}` must be a positive number of seconds, got {seconds!r}.")
         self.site, self.min_sites, self.max_sites = site, min_sites, max_sites
         self.timeout, self.heartbeat_s = float(timeout), float(heartbeat_s)
         self.device = torch.device(device)
         self.on_transfer = on_transfer
-        self._coordinator, self._run = coordinator, run
-        self._stores: list[dist.Store] = []  # a Python store (etcd's) lives only while Python holds it
+        self.coordinator = coordinator
         #: This process's rank in its site, and the site's processes (its own world: 1 when it has none).
         self.local_rank, self.processes = (
             (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         )
-        self._store = self._connect()
+        #: Seconds the coordinator may be out of reach before this site stops.
+        self.grace_s = float(grace_s)
+        self._store = CoordinatorLink(coordinator, run, timeout=self.timeout, grace_s=self.grace_s)
+        #: The run's id (the first epoch's proposer draws it): a coordinator back with another's keys is refused.
+        self.run_id: str | None = None
+        # Round boundaries this site kept its epoch at while the coordinator was lost (see at_boundary).
+        self._kept_away: list[int] = []
         #: This process's token once registered, ``<site>#<n>``.
         self.token: str | None = None
         #: The epoch this process is in (None before :meth:`join`).
         self.epoch: Epoch | None = None
         #: Seconds this process spent on changes after its first epoch: agreements, waiting for survivors, groups.
         self.waited_s = 0.0
-        self._decision: _Decision | None = None
+        self._decision: Decision | None = None
         #: Registrants this process has looked at: their heartbeat count then, and when (see _admissible).
         self._registrants: dict[str, tuple[int, float]] = {}
         #: Registrations this process found with no name yet, and when (see _name_of).
         self._nameless: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._beats: threading.Thread | None = None
-
-    def _connect(self) -> dist.Store:
-        store = coordinator_store(self._coordinator, self.timeout)
-        self._stores.append(store)
-        return dist.PrefixStore(f"{self._run}/", store)
 
     # --- registration and admission ---------------------------------------------------------------
 
@@ -227,6 +194,17 @@ class Membership:
         return self._admit(on_wait)
 
     def _admit(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
+        """Register and wait to be admitted; a coordinator lost meanwhile (its registration with it) is waited
+        for, ``grace_s`` at most, and the site registers again."""
+        while True:
+            try:
+                return self._register(on_wait)
+            except Unreachable:
+                self.epoch = self._decision = None
+                self._store.wait_found()
+                _log.warning("site %s registers again: the coordinator was lost while it waited", self.site)
+
+    def _register(self, on_wait: Callable[[float], None] | None = None) -> Epoch:
         start = time.perf_counter()
         processes = int(self._store.compare_set("processes", "", str(self.processes)))
         if processes != self.processes:  # on every process of the site, before it registers
@@ -238,13 +216,13 @@ class Membership:
         self.token = f"{self.site}#{number}"
         if self._store.compare_set(f"join/{number}", "", self.token).decode() != self.token:
             _log.warning("registration %d was passed over before its name landed: registering again", number)
-            return self._admit(on_wait)
-        self._start_heartbeats()
+            return self._register(on_wait)
+        self._store.start_heartbeats(lambda: f"beat/{self.token}", self.heartbeat_s, f"heartbeat-{self.site}")
         if not self._store.check(["epoch/0/next"]):  # the first epoch: the first min_sites sites with a name
             self._first_epoch(on_wait, start)
         admitted = self._poll([f"admit/{self.token}", "epoch/0/next"], on_wait, start, first_only=True)
         if admitted == "epoch/0/next":
-            decision = _Decision.decode(self._store.get("epoch/0/next"))
+            decision = Decision.decode(self._store.get("epoch/0/next"))
             number = 1
             if self.token not in decision.members:  # registered before the first epoch, not one of it
                 self._poll([f"admit/{self.token}"], on_wait, start)
@@ -252,9 +230,10 @@ class Membership:
         if admitted != "epoch/0/next":
             value = self._store.get(f"admit/{self.token}").decode()
             if value == GONE:  # its heartbeat stood still while it waited, and the members went on without it
-                return self._admit(on_wait)
+                return self._register(on_wait)
             number = int(value)
-            decision = _Decision.decode(self._store.get(f"epoch/{number - 1}/next"))
+            decision = Decision.decode(self._store.get(f"epoch/{number - 1}/next"))
+        self.run_id = self._store.get("id").decode()
         return self._enter(number, decision, previous=())
 
     def _first_epoch(self, on_wait: Callable[[float], None] | None, start: float) -> None:
@@ -274,7 +253,8 @@ class Membership:
                 return None
             names += [] if name == NAMELESS else [name]
             if len(names) == self.min_sites:
-                self._store.compare_set("epoch/0/next", "", _Decision(tuple(names), number).encode())
+                self._store.compare_set("id", "", uuid.uuid4().hex)  # before the epoch: whoever reads one finds both
+                self._store.compare_set("epoch/0/next", "", Decision(tuple(names), number).encode())
                 return True
         return None
 
@@ -357,7 +337,8 @@ class Membership:
     def at_boundary(self, index: int) -> Epoch | None:
         """At a round boundary (``index``: the same count on every member, e.g. the rounds so far): a new epoch,
         with its group made, when sites registered since this one began; else None. One ``compare_set`` on the
-        store, and nothing else, when no site is waiting.
+        store, and nothing else, when no site is waiting. While the coordinator is out of reach: None, and no store
+        call (the epoch goes on; a change waits until it answers again).
 
         Example::
 
@@ -366,21 +347,50 @@ class Membership:
         """
         epoch, decision = self._current()
         start = time.perf_counter()
+        try:
+            taken = self._back(epoch, decision) if self._store.lost else None
+            taken = taken or self._decide(epoch, decision, index)
+        except Unreachable:
+            self._kept_away.append(index)
+            return None
+        if taken is None:
+            return None
+        result = self._change(epoch, taken)
+        self.waited_s += time.perf_counter() - start
+        return result
+
+    def _decide(self, epoch: Epoch, decision: Decision, index: int) -> Decision | None:
+        """Round ``index``'s decision: None to keep the epoch, else the next one."""
         registered = self._store.add("joins", 0)
         proposal = "keep"
         room = self.max_sites - len(epoch.members)
         if registered > decision.registrations and room > 0:
             new, last = self._admissible(decision.registrations + 1, registered, room)
             if new:  # one that is gone is passed over with the next one admitted
-                proposal = _Decision(epoch.members + tuple(new), last).encode()
+                proposal = Decision(epoch.members + tuple(new), last).encode()
         decided = self._store.compare_set(f"epoch/{epoch.number}/round/{index}", "", proposal).decode()
         if decided == "keep":
             return None
         # the round's decision is the next epoch, unless a failure elsewhere decided it first
-        taken = _Decision.decode(self._store.compare_set(f"epoch/{epoch.number}/next", "", decided))
-        result = self._change(epoch, taken)
-        self.waited_s += time.perf_counter() - start
-        return result
+        return Decision.decode(self._store.compare_set(f"epoch/{epoch.number}/next", "", decided))
+
+    def _back(self, epoch: Epoch, decision: Decision) -> Decision | None:
+        """Once the coordinator answers again: the run's state put back if it came back empty, and the boundaries
+        this site kept its epoch at meanwhile written as kept, so that none is decided otherwise later; where another
+        member had decided a change at one of them first, that change (this site follows it). ``Unreachable`` while
+        the coordinator is still away."""
+        if not self._store.found():
+            raise Unreachable(f"the coordinator {self.coordinator} is out of reach")
+        assert self.run_id is not None
+        put_back(self._store, self.run_id, epoch.number, decision, self.processes, self.coordinator)
+        kept, self._kept_away = self._kept_away, []
+        if kept and self.local_rank == 0:
+            _log.info("epoch %d went on through %d round boundaries without the coordinator", epoch.number, len(kept))
+        for index in kept:
+            decided = self._store.compare_set(f"epoch/{epoch.number}/round/{index}", "", "keep").decode()
+            if decided != "keep":
+                return Decision.decode(self._store.compare_set(f"epoch/{epoch.number}/next", "", decided))
+        return None
 
     def recover(self) -> Epoch:
         """After a round of this epoch failed: agree with the survivors on the next epoch and make its group. A
@@ -392,7 +402,18 @@ class Membership:
                 dist.all_reduce(tensor, group=epoch.group)
             except RuntimeError:
                 epoch = membership.recover()
+
+        A coordinator out of reach is waited for (the survivors agree through it), ``grace_s`` at most: then
+        :class:`CoordinatorLost`.
         """
+        while True:
+            try:
+                return self._recover()
+            except Unreachable:
+                self._store.wait_found()
+                self._back(*self._current())  # a change decided meanwhile is settled by the next key, as always
+
+    def _recover(self) -> Epoch:
         epoch, decision = self._current()
         start = time.perf_counter()
         assert self.token is not None
@@ -406,9 +427,9 @@ class Membership:
             registered = self._store.add("joins", 0)
             room = max(self.max_sites - len(alive), 0)
             new, last = self._admissible(decision.registrations + 1, registered, room)
-            proposal = _Decision(tuple(alive) + tuple(new), last)
+            proposal = Decision(tuple(alive) + tuple(new), last)
             self._store.compare_set(key, "", proposal.encode())
-        result = self._change(epoch, _Decision.decode(self._store.get(key)))
+        result = self._change(epoch, Decision.decode(self._store.get(key)))
         self.waited_s += time.perf_counter() - start
         return result
 
@@ -421,7 +442,30 @@ class Membership:
             wait_all(work, abandon=membership.failing)
         """
         epoch = self.epoch
-        return epoch is not None and self._store.check([f"epoch/{epoch.number}/failing"])
+        if epoch is None or self._store.lost:  # nobody can say: the collective's own timeout ends a wait then
+            return False
+        try:
+            return self._store.check([f"epoch/{epoch.number}/failing"])
+        except Unreachable:
+            return False
+
+    @property
+    def coordinator_lost(self) -> bool:
+        """True once the coordinator has been out of reach for longer than ``grace_s``: time to save a checkpoint
+        and stop (:class:`~fabric_multimodel.Loop` does), and resume when it is back.
+
+        Example::
+
+            if membership.coordinator_lost:
+                checkpointer.save(state)
+                raise SystemExit(75)
+        """
+        return self._store.away_s() > self._store.grace_s
+
+    @property
+    def outages(self) -> list[float]:
+        """Seconds of each coordinator outage this process lived through (once it answered again)."""
+        return list(self._store.outages)
 
     def agree(self, ok: bool) -> bool:
         """True when every process of this site says ``ok`` (one all-reduce inside the site; none in a site of one
@@ -434,7 +478,10 @@ class Membership:
                 epoch = membership.recover()
         """
         if not ok and self.epoch is not None:
-            self._store.set(f"epoch/{self.epoch.number}/failing", "1")
+            try:
+                self._store.set(f"epoch/{self.epoch.number}/failing", "1")
+            except Unreachable:  # the others' waits end on their own timeout
+                pass
         if self.processes == 1:
             return ok
         flag = torch.tensor([0 if ok else 1], device=self.device)
@@ -471,24 +518,32 @@ class Membership:
                 return [m for m in epoch.members if m in checked]
             time.sleep(POLL_S)
 
-    def _change(self, epoch: Epoch, decision: _Decision) -> Epoch:
+    def _change(self, epoch: Epoch, decision: Decision) -> Epoch:
         """Move from ``epoch`` to the next, as ``decision`` says; rejoin as a new site when it leaves us out."""
         assert self.token is not None and self._decision is not None
-        for token in decision.members:
-            if token not in epoch.members:
-                self._store.set(f"admit/{token}", str(epoch.number + 1))
-        for number in range(self._decision.registrations + 1, decision.registrations + 1):
-            token = self._store.get(f"join/{number}").decode()  # written: the decision accounted for it
-            if token != NAMELESS and token not in decision.members:  # passed over as gone: it registers again
-                self._store.set(f"admit/{token}", GONE)
-        self._store.set("epoch", str(epoch.number + 1))
+        try:
+            self._tell_registrants(epoch, decision, self._decision)
+        except Unreachable:  # the group cannot be made either: this epoch fails, and waits for the coordinator
+            pass
         if self.token not in decision.members:
             _log.warning("site %s was left out of epoch %d: registering again", self.site, epoch.number + 1)
             self.epoch = self._decision = None
             return self._admit()
         return self._enter(epoch.number + 1, decision, previous=epoch.members)
 
-    def _enter(self, number: int, decision: _Decision, previous: Sequence[str]) -> Epoch:
+    def _tell_registrants(self, epoch: Epoch, decision: Decision, before: Decision) -> None:
+        """Admit the sites ``decision`` takes into the epoch after ``epoch``; tell those it passed over to register
+        again."""
+        for token in decision.members:
+            if token not in epoch.members:
+                self._store.set(f"admit/{token}", str(epoch.number + 1))
+        for number in range(before.registrations + 1, decision.registrations + 1):
+            token = self._store.get(f"join/{number}").decode()  # written: the decision accounted for it
+            if token != NAMELESS and token not in decision.members:  # passed over as gone: it registers again
+                self._store.set(f"admit/{token}", GONE)
+        self._store.set("epoch", str(epoch.number + 1))
+
+    def _enter(self, number: int, decision: Decision, previous: Sequence[str]) -> Epoch:
         """Make the group of epoch ``number`` (every member calls this; ``timeout`` at most). A member that does not
         arrive fails the epoch before it began: the others recover from it."""
         assert self.token is not None
@@ -496,7 +551,7 @@ class Membership:
         joined = tuple(m for m in decision.members if m not in previous)
         left = tuple(m for m in previous if m not in decision.members)
         self.epoch, self._decision = Epoch(number, decision.members, rank, None, joined, left), decision
-        store = dist.PrefixStore(f"epoch/{number}/group/{self.local_rank}/", self._store)
+        store = self._store.prefixed(f"epoch/{number}/group/{self.local_rank}/")
         try:
             group = standalone_group(store, rank, len(decision.members), self.device, self.timeout)
         except RuntimeError:
@@ -516,28 +571,10 @@ class Membership:
             )
         return self.epoch
 
-    def _current(self) -> tuple[Epoch, _Decision]:
+    def _current(self) -> tuple[Epoch, Decision]:
         if self.epoch is None or self._decision is None:
             raise RuntimeError("Membership: this site is in no epoch yet; call join() first.")
         return self.epoch, self._decision
-
-    # --- heartbeats ---------------------------------------------------------------------------------
-
-    def _start_heartbeats(self) -> None:
-        if self._beats is not None:
-            return
-        store = self._connect()  # a connection of its own: the training thread's may be waiting on the store
-
-        def beat() -> None:
-            while not self._stop.is_set():
-                try:
-                    store.add(f"beat/{self.token}", 1)  # a site that registered again beats under its new token
-                except RuntimeError:  # the coordinator is gone; the training thread will say so
-                    return
-                self._stop.wait(self.heartbeat_s)
-
-        self._beats = threading.Thread(target=beat, name=f"heartbeat-{self.site}", daemon=True)
-        self._beats.start()
 
     def close(self, finished: bool = False) -> None:
         """Stop the heartbeats (the others then see this site gone within ``3 * heartbeat_s``) and drop the group.
@@ -549,10 +586,11 @@ class Membership:
             membership.close(finished=averager.steps == total_steps)
         """
         if finished and self.epoch is not None:
-            self._store.set("finished", "1")
-        self._stop.set()
-        if self._beats is not None:
-            self._beats.join(timeout=self.heartbeat_s + 1)
+            try:
+                self._store.set("finished", "1")
+            except Unreachable:  # nobody can be waiting on a coordinator that is gone
+                pass
+        self._store.stop_heartbeats(self.heartbeat_s + 1)
         self.epoch = self._decision = None
 
     def __enter__(self) -> Membership:
@@ -560,23 +598,3 @@ class Membership:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def catch_up(
-    progress: Sequence[int], device: torch.device, group: dist.ProcessGroup
-) -> tuple[int | None, list[int], list[int]]:
-    """Which member of ``group`` holds the newest state, which are behind it, and the newest ``progress``, from each
-    member's (ints of the same length on every member, compared in order: say the step, then the step of the last
-    round). ``(None, [], progress)`` when every member is where the others are. One all-gather.
-
-    Example::
-
-        source, behind, _ = catch_up([averager.steps, averager.finished_at or -1], fabric.device, epoch.group)
-    """
-    mine = torch.tensor(list(progress), dtype=torch.int64, device=device)
-    everyone = torch.zeros(group.size() * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_single(everyone, mine, group=group)
-    rows = [list(row) for row in everyone.view(group.size(), -1).tolist()]
-    newest = max(rows)
-    behind = [rank for rank, row in enumerate(rows) if row != newest]
-    return (rows.index(newest) if behind else None), behind, newest

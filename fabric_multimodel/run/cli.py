@@ -318,7 +318,8 @@ def start_fabric(fabric_class: type[Fabric], args: argparse.Namespace, **kwargs:
 
 def add_membership_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the group ``live membership``: ``--coordinator`` (this process's world is a site of its own that joins
-    the run there), ``--site`` (its name, default ``$SITE``) and ``--min-sites`` (sites the run starts with)."""
+    the run there), ``--site`` (its name, default ``$SITE``), ``--min-sites`` (sites the run starts with) and
+    ``--grace`` (how long the coordinator may be out of reach)."""
     g = parser.add_argument_group("live membership")
     g.add_argument(
         "--coordinator",
@@ -331,6 +332,14 @@ def add_membership_arguments(parser: argparse.ArgumentParser) -> argparse._Argum
         "--site", default=os.environ.get("SITE", ""), help="with --coordinator: this site's name (default: $SITE)"
     )
     g.add_argument("--min-sites", type=int, default=1, help="with --coordinator: sites the run starts with")
+    g.add_argument(
+        "--grace",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="with --coordinator: how long the coordinator may be out of reach (training goes on meanwhile); past it"
+        " every site saves a checkpoint and stops, and the same command resumes it",
+    )
     return g
 
 
@@ -339,6 +348,8 @@ def check_membership_arguments(parser: argparse.ArgumentParser, args: argparse.N
     name, or ``--min-sites`` below 1."""
     if args.min_sites < 1:
         parser.error(f"--min-sites must be >= 1, got {args.min_sites}")
+    if not args.grace > 0:
+        parser.error(f"--grace must be a positive number of seconds, got {args.grace}")
     if args.coordinator and not args.period:
         parser.error("--coordinator needs --period (N or auto): the sites average in rounds")
     if args.coordinator:
@@ -364,7 +375,13 @@ def membership(
 
     timeout = getattr(args, "timeout", 300.0)
     return Membership(
-        args.coordinator, args.site, device=device, min_sites=args.min_sites, timeout=timeout, on_transfer=on_transfer
+        args.coordinator,
+        args.site,
+        device=device,
+        min_sites=args.min_sites,
+        timeout=timeout,
+        on_transfer=on_transfer,
+        grace_s=getattr(args, "grace", 300.0),
     )
 
 

@@ -30,6 +30,7 @@ from fabric_multimodel.run.preemption import PreemptionStop
 if TYPE_CHECKING:
     from fabric_multimodel.averaging.averager import Averager
     from fabric_multimodel.checkpoints.checkpointer import Checkpointer
+    from fabric_multimodel.membership.membership import Membership
 
 
 class Loop:
@@ -47,7 +48,8 @@ class Loop:
             nothing for it, and a replica restarted alone finds its own).
         stop: what stops the run on a scheduler's signal (True: SIGTERM; False: nothing; or a
             :class:`~fabric_multimodel.run.preemption.PreemptionStop` of your own): every rank stops at one step, where
-            no round is in flight, after writing a checkpoint.
+            no round is in flight, after writing a checkpoint. A live site whose coordinator stays out of reach past
+            its grace stops the same way (:attr:`stop_reason` says which).
         start: the step this rank resumes after (default: ``averager.steps``, which a resume or a join sets: build
             the Loop after resuming).
 
@@ -86,6 +88,8 @@ class Loop:
         self.step = start if start is not None else (averager.steps if averager is not None else 0)
         #: True once the run stopped on a signal (after its checkpoint, in :attr:`saved`).
         self.stopped = False
+        #: What stopped it, as in "stopped by SIGTERM" (None while it runs).
+        self.stop_reason: str | None = None
         #: Where the last checkpoint written between two iterations went (None before one).
         self.saved: Path | None = None
         self._stop = PreemptionStop() if stop is True else stop or None
@@ -113,6 +117,8 @@ class Loop:
         return self.averager.local_steps(self.total) if self.averager is not None else self.total
 
     def __iter__(self) -> Iterator[int]:
+        if self.averager is not None and self.averager.membership is not None:  # a site joins in the with block
+            self.step = max(self.step, self.averager.steps)
         while self.step < self.last and not self.stopped:
             yield self.step + 1
             self._count()
@@ -139,7 +145,12 @@ class Loop:
         # A paced site's last step can be another site's round, after which that one acts: all act alike there.
         final = self.step == self.last and not self.paced
         if self._stop is not None and not self._stopping and not final:
+            membership = averager.membership if averager is not None else None
+            if membership is not None and membership.coordinator_lost:
+                self._stop.request()  # the site's processes agree on the step, as on a signal
             self._stopping = self._stop.requested(self._now)
+            if self._stopping:
+                self.stop_reason = _reason(membership, self._stop.signal)
         every = self.checkpoint_every
         self._checkpoint_due |= bool(every) and self._now // every > before // every
         if final or in_flight:  # stop and save where nothing is in flight: the run resumed goes on as it would have
@@ -147,6 +158,8 @@ class Loop:
         if self._stopping or self._checkpoint_due:
             self._save()
             self.stopped, self._checkpoint_due = self._stopping, False
+            if self.stopped:
+                self._leave()
 
     def _save(self, *, after_round: bool = False) -> None:
         if self.checkpointer is None or self._state is None:
@@ -155,9 +168,33 @@ class Loop:
             self.checkpointer.after_round(self._state())
             self.saved = self.checkpointer.own_path
             return
-        if self.averager is not None and not self.checkpointer.local:
+        alone = self._stopping and self.averager is not None and self.averager.membership is not None
+        if self.averager is not None and not self.checkpointer.local and not alone:  # a live site stops on its own
             self.averager.sync()  # every replica (and its optimizer's state) equal to the one that is written
         self.saved = self.checkpointer.save(self._state())
+
+    def save(self, reason: str | None = None) -> Path | None:
+        """Write a checkpoint of ``state()`` now, with no round, and stop there when ``reason`` is given: after the
+        Averager's block ended on an error that leaves each replica whole (a live site's
+        :class:`~fabric_multimodel.CoordinatorLost`); the path it went to (None without a checkpointer).
+
+        Example::
+
+            except CoordinatorLost as error:
+                loop.save(reason=str(error))
+        """
+        if reason is not None:
+            self.stopped, self.stop_reason = True, reason
+            self._leave()
+        if self.checkpointer is None or self._state is None:
+            return None
+        self.saved = self.checkpointer.save(self._state())
+        return self.saved
+
+    def _leave(self) -> None:
+        """A live site stops on its own: leaving the Averager's block makes no round (the other sites go on)."""
+        if self.averager is not None and self.averager.membership is not None:
+            self.averager.leave()
 
     def close(self) -> str:
         """After the Averager's block: wait for the stop's votes in flight, tell the membership whether the run ended
@@ -177,3 +214,10 @@ class Loop:
         if membership is not None:
             membership.close(finished=not self.stopped)
         return self.checkpointer.close() if self.checkpointer is not None else ""
+
+
+def _reason(membership: Membership | None, received: str | None) -> str:
+    """Why a stop was agreed, as in "stopped by ...": the coordinator out of reach, or a scheduler's signal."""
+    if membership is not None and membership.coordinator_lost:
+        return f"a lost coordinator ({membership.coordinator} out of reach past its {membership.grace_s:.0f} s grace)"
+    return received or "a signal to another process"

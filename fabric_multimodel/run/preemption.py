@@ -56,8 +56,10 @@ class PreemptionStop:
         for name, value in (("every", every), ("lag", lag)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "every" else 0):
                 raise ValueError(f"PreemptionStop: `{name}` must be an int >= {int(name == 'every')}, got {value!r}.")
-        #: True once this process got one of the signals.
+        #: True once this process got one of the signals (or :meth:`request` was called).
         self.received = False
+        #: The signal's name once this process got one (``"SIGTERM"``).
+        self.signal: str | None = None
         self.every, self.lag = every, lag
         # The votes in flight, oldest first: (the step it was launched at, the flag, its allreduce).
         self._votes: list[tuple[int, torch.Tensor, Any]] = []
@@ -71,6 +73,16 @@ class PreemptionStop:
                 self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self.received, self.signal = True, signal.Signals(signum).name
+
+    def request(self) -> None:
+        """Ask for the stop as a signal would (say, the coordinator is lost): every rank stops at one step.
+
+        Example::
+
+            if membership.coordinator_lost:
+                stop.request()
+        """
         self.received = True
 
     def requested(self, now: int) -> bool:
