@@ -49,6 +49,20 @@ def rice_bits(chunk: int, k: int) -> int:
     return max(0, round(math.log2(mean_gap * math.log(2))))
 
 
+def max_bytes(numel: int, chunk: int, density: float) -> int:
+    """The longest payload :func:`encode` can make for ``numel`` values: the bound a receiver holds a peer's to.
+
+    Example::
+
+        max_bytes(65_536, 4096, 1 / 64)  # 1342: 10.5 bits an entry
+    """
+    k = per_chunk(chunk, density)
+    counts = _counts(numel, chunk, k)
+    entries, r = int(counts.sum()), rice_bits(chunk, k)
+    unary = entries + (numel - entries) // 2**r + len(counts)  # a chunk's gaps sum to at most its free places
+    return len(counts) * SCALE_BYTES + -(-(entries * (2 + r) + unary) // 8)
+
+
 def _counts(numel: int, chunk: int, k: int) -> torch.Tensor:
     """Entries kept per chunk: ``k`` for each full chunk, at most the tail's length for the last."""
     full, tail = divmod(numel, chunk)
