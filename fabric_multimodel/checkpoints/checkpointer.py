@@ -84,6 +84,8 @@ class Checkpointer:
         #: The replica (with FSDP2: the site) whose copies this process writes and resumes from.
         self.replica = averager.replica.index if averager is not None else 0
         membership = averager.membership if averager is not None else None
+        #: A live site's name (its files carry it); None without a membership.
+        self.site = membership.site if membership is not None else None
         if self.sharded:
             assert averager is not None
             self.path = replica_path(folder / "checkpoint", averager.replica.index)
@@ -122,6 +124,10 @@ class Checkpointer:
             step = state["step"] if resumed else 0
         """
         resumed: Resumed | ResumedSharded | None
+        if self.sharded and self.site is not None:
+            if self.path.exists():  # not resumed yet: the site receives the run's state when it joins
+                _log.warning("%s: a live FSDP2 site's own folder is not resumed yet; this site starts fresh", self.path)
+            return None
         if self.sharded:
             folder = self.folder / "checkpoint"
             resumed = resume_latest_sharded(self.fabric, folder, state, validate=validate, progress=progress)
