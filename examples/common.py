@@ -361,6 +361,7 @@ def checkpoints(
     plain values come back there); any problem is one line and exit code 2. ``--resume auto``: the newest
     checkpoint any rank finds in the run folder, or a fresh start. ``state["config"]`` (:func:`run_config`'s) must
     match the checkpoint's, which must not be beyond ``--steps``; the ``--resume auto`` line ends with ``phases``.
+    With ``--coordinator`` and no ``--resume``, a live site resumes its own newest checkpoint, as ``--resume auto``.
     """
     checkpointer = Checkpointer(fabric, args.out, rounds=args.checkpoint_rounds, averager=averager)
     resume = args.resume
@@ -369,11 +370,10 @@ def checkpoints(
     if resume is None:
         return checkpointer
     validate = same_settings(state["config"], spell=_flag)  # the load replaces state["config"] with the checkpoint's
-    path = (
-        (checkpointer.own_path if args.resume is None else args.out / checkpoint_name(args))
-        if resume == AUTO
-        else resume
-    )
+    if resume != AUTO:
+        path = resume
+    else:  # a live site's own file, else the run folder's
+        path = checkpointer.own_path if args.resume is None else args.out / checkpoint_name(args)
     try:
         if resume != AUTO:
             extra = checkpointer.load(path, state, validate=validate)
