@@ -132,7 +132,8 @@ class Averager:
         self._phase = LocalPhase([] if self.islands else placement.ddps)  # the DDPs switched off after warm-up
         self._reset_counters()
         self._agreement = built.agreement
-        self.leaving = False  # see leave()
+        #: True once :meth:`leave` was called: leaving the ``with`` block then makes no round.
+        self.leaving = False
         self._apart = self.islands or membership is not None  # the replicas train apart in warm-up
         state = OptimizerStateStorage(self.optimizers)  # what blocking rounds average with the models
         self._runner = RoundRunner(self, built.round, built.node_round, state, self._device, apart=self._apart)
@@ -333,7 +334,6 @@ class Averager:
                 averager.leave()
                 break
         """
-        #: True once :meth:`leave` was called.
         self.leaving = True
 
     @property

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fabric_multimodel.membership.link import CoordinatorLost
+from fabric_multimodel.membership.names import registration_of
 
 _log = logging.getLogger(__name__)
 
@@ -81,8 +82,3 @@ def put_back(store: Keys, run_id: str, epoch: int, decision: Decision, processes
         max(numbers),
     )
     return True
-
-
-def registration_of(token: str) -> int:
-    """A member token's registration number (``"berlin#3"`` -> 3)."""
-    return int(token.rpartition("#")[2])

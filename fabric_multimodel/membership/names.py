@@ -43,3 +43,8 @@ def check_site_name(site: object) -> str:
 def site_of(token: str) -> str:
     """The site name of a member's token (``"berlin#3"`` -> ``"berlin"``)."""
     return token.rpartition("#")[0]
+
+
+def registration_of(token: str) -> int:
+    """The registration number of a member's token (``"berlin#3"`` -> 3)."""
+    return int(token.rpartition("#")[2])
