@@ -149,8 +149,8 @@ class Site:
 
 
 def three_sites(port: int, folder: Path, steps: int, *extra: str) -> list[Site]:
-    """Three live sites, started together; returned once all three train in one epoch."""
-    sites = [Site(name, port, folder, steps, *extra) for name in ("a", "b", "c")]
+    """Three live sites, started together (the run waits for all three); returned once they train in one epoch."""
+    sites = [Site(name, port, folder, steps, "--min-sites", "3", *extra) for name in ("a", "b", "c")]
     deadline = time.monotonic() + TIMEOUT_S
     while not all(re.search(r"epoch \d+: 3 sites", site.output) for site in sites):
         assert all(site.proc.poll() is None for site in sites) and time.monotonic() < deadline, sites[0].output
@@ -206,7 +206,7 @@ def test_sites_stop_past_the_grace_and_the_same_commands_resume_them(tmp_path: P
         outputs = [site.output for site in sites]
         stopped = [int(re.findall(r"stopped by a lost coordinator .* at step (\d+)", out)[0]) for out in outputs]
         coordinator = start_coordinator_on(port)
-        again = [Site(name, port, tmp_path, LIVE_STEPS) for name in ("a", "b", "c")]  # the same commands
+        again = [Site(name, port, tmp_path, LIVE_STEPS, "--min-sites", "3") for name in ("a", "b", "c")]
         again_codes = [site.finish() for site in again]
     finally:
         for proc in [*(site.proc for site in sites), coordinator]:
@@ -234,7 +234,7 @@ def test_a_run_killed_whole_resumes_from_each_sites_checkpoint_and_ends_as_one(t
         saved = {name: read_checkpoint(tmp_path / name / f"checkpoint.site-{name}.pt")["step"] for name in "abc"}
         assert all(0 < step < LIVE_STEPS for step in saved.values()), saved
         coordinator = start_coordinator_on(port)
-        sites = [Site(name, port, tmp_path, LIVE_STEPS) for name in "abc"]
+        sites = [Site(name, port, tmp_path, LIVE_STEPS, "--min-sites", "3") for name in "abc"]
         codes = [site.finish() for site in sites]
     finally:
         for proc in [*(site.proc for site in sites), coordinator]:
