@@ -134,9 +134,23 @@ def ring_settings(args: Any) -> list[Setting]:
 
 def lm_compare_settings(args: Any) -> list[Setting]:
     """``--compare lowbit``: DiLoCo 128's payload in fp32, fp8 and fp4, with and without error feedback;
+    ``--compare sparse``: DiLoCo 128 in fp32 and fp4 beside sparse rounds (SparseLoCo: each chunk's top 1/16, 1/64,
+    1/256 with error feedback in place of the outer momentum; 1/64 also under DiLoCo's outer Nesterov);
     ``--compare streaming``: blocking DiLoCo 128 beside streaming (4 fragments, overlap 16), with each merge rule."""
     w = args.warmup_steps
     base = averaging(128, w, *DILOCO)
+    if args.compare == "sparse":
+        out = [
+            Setting("diloco=128", "DiLoCo 128, fp32", base, "fp32"),
+            Setting("diloco=128-fp4", "DiLoCo 128, fp4", (*base, "--comm-dtype", "float4_e2m1fn_x2"), "fp4"),
+        ]
+        for density in ("1/16", "1/64", "1/256"):
+            flags = averaging(128, w, "--density", density)
+            out.append(
+                Setting(f"sparse=128-{density.replace('/', 'in')}", f"sparse 128, density {density}", flags, density)
+            )
+        out.append(Setting("diloco=128-1in64", "DiLoCo 128, density 1/64", (*base, "--density", "1/64"), "D 1/64"))
+        return out
     if args.compare == "lowbit":
         out = [Setting("diloco=128", "DiLoCo 128, fp32", base, "fp32")]
         for code, short in (("float8_e4m3fn", "fp8"), ("float4_e2m1fn_x2", "fp4")):
@@ -867,8 +881,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layouts", action="store_true", help="lm: the multi-node layouts (2 nodes x 2 processes)")
     p.add_argument(
         "--compare",
-        choices=["lowbit", "streaming"],
-        help="lm: compare payload formats, or streaming merges, at DiLoCo 128",
+        choices=["lowbit", "sparse", "streaming"],
+        help="lm: compare payload formats, sparse rounds, or streaming merges, at DiLoCo 128",
     )
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per setting (default: ring 3, lm 2; quick: 1)")
     p.add_argument("--devices", type=int, default=None, help="processes per run (default: 4; quick: 2)")

@@ -9,6 +9,8 @@ between two rounds of training:
 - ``fp32``, ``bf16``: torch's allreduce of the payload in that dtype, as the rounds send it;
 - ``fp8``, ``fp4``: :class:`~fabric_multimodel.comm.quantized.QuantizedMean` (an all-to-all and an all-gather of
   uint8 codes and scales, as point-to-point messages on gloo);
+- ``sparse 1/64``: :class:`~fabric_multimodel.comm.sparse_mean.SparseMean` at density 1/64 (an all-gather of the
+  payload sizes, then of the payloads, as point-to-point messages on gloo; each site's payload goes to every other);
 - ``fp8, gloo collectives``: the same bytes through gloo's own all-to-all and all-gather, as the rounds sent
   them before (for comparison);
 - ``fp8 bytes, one way``: as many bytes from site 0 to site 1 and nothing back, the link's own figure;
@@ -17,14 +19,15 @@ between two rounds of training:
   the floor a round's exchange can reach on the link, with no library in it.
 
 ``ratio`` = the slowest site's median round / (the bytes each site sends / the nominal rate): a ring allreduce
-and the quantized all-to-all plus all-gather each send ``2 (S - 1) / S`` of the payload's bytes; beside it the
+and the quantized all-to-all plus all-gather each send ``2 (S - 1) / S`` of the payload's bytes, a sparse round
+its payload and size to each of the ``S - 1`` others (its last round's, counted by the round); beside it the
 same against the rate the sites tool measured for the link. The simulated
 link adds no latency; tbf counts the TCP/IP headers, so TCP carries about 95.7% of the rate and no round can
 beat a ratio of 1.045.
 
 Usage::
 
-    python benchmarks/link_rate.py [--quick] [--out DIR] [--bandwidth 3mbit 10mbit] [--sites 2 3]
+    python benchmarks/link_rate.py [--quick] [--out DIR] [--bandwidth 3mbit 10mbit] [--sites 2 3] [--payloads fp4 ...]
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from benchmarks import common  # noqa: E402
 
 NAME = "link_rate"
 LM_ELEMENTS = 218_416  # examples/lm_fabric.py at its defaults
-PAYLOADS = ("fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", "fp8 bytes, one way", "fp8 bytes, both ways")
+PAYLOADS = (
+    "fp32", "bf16", "fp8", "fp4", "sparse 1/64", "fp8, gloo collectives", "fp8 bytes, one way", "fp8 bytes, both ways"
+)  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -54,6 +59,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from fabric_multimodel.comm.collectives import all_gather_single
     from fabric_multimodel.comm.quantized import QuantizedMean
+    from fabric_multimodel.comm.sparse_mean import SparseMean
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,6 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
     fp8 = QuantizedMean(n, torch.float8_e4m3fn, "cpu")
     fp4 = QuantizedMean(n, torch.float4_e2m1fn_x2, "cpu")
+    sparse = SparseMean(n, 1 / 64, "cpu")
     codes = torch.zeros(fp8.traffic.bytes, dtype=torch.uint8)
     received, shard = torch.zeros_like(codes), torch.zeros(codes.numel() // world, dtype=torch.uint8)
 
@@ -88,12 +95,15 @@ def worker(args: argparse.Namespace) -> None:
         "bf16": (lambda: dist.all_reduce(x.bfloat16()), 2 * n * share),
         "fp8": (lambda: fp8.all_reduce_mean(x.clone()), fp8.traffic.bytes * share),
         "fp4": (lambda: fp4.all_reduce_mean(x.clone()), fp4.traffic.bytes * share),
+        "sparse 1/64": (lambda: sparse.all_reduce_mean(x.clone()), None),  # its size: known once it ran
         "fp8, gloo collectives": (gloo_collectives, fp8.traffic.bytes * share),
         "fp8 bytes, one way": (one_way, fp8.traffic.bytes * share),
         "fp8 bytes, both ways": (both_ways, fp8.traffic.bytes * share),
     }
     found = {}
     for name, (round_, sent) in rounds.items():
+        if name not in args.payloads:
+            continue
         times = []
         for _ in range(args.repeats):
             dist.barrier()
@@ -104,6 +114,7 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - start)
         medians = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(medians, torch.tensor([statistics.median(times)]))
+        sent = sparse.traffic.bytes if sent is None else sent
         found[name] = {"sent_bytes": int(sent), "round_s": max(float(m) for m in medians)}
     dist.barrier()
     if rank == 0:
@@ -120,7 +131,7 @@ def measure(args: argparse.Namespace, bandwidth: str, sites: int) -> list[dict[s
     folder.mkdir(parents=True, exist_ok=True)
     result_file.unlink(missing_ok=True)
     worker_args = ["--worker", "--result", str(result_file), "--elements", str(args.elements)]
-    worker_args += ["--repeats", str(args.repeats), "--idle", str(args.idle)]
+    worker_args += ["--repeats", str(args.repeats), "--idle", str(args.idle), "--payloads", *args.payloads]
     run = run_sites(
         Path(__file__),
         worker_args,
@@ -167,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=None, help="rounds timed per payload (median; default 9, quick 1)")
     p.add_argument("--idle", type=float, default=None, help="seconds the link is quiet before each round (0.3)")
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a sites run is abandoned")
+    p.add_argument("--payloads", nargs="+", choices=PAYLOADS, default=list(PAYLOADS), help="which rounds (all)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -132,11 +132,11 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     kind = "folder" if sharded else "file"
     if args.resume not in (None, AUTO) and not (args.resume.is_dir() if sharded else args.resume.is_file()):
         p.error(f"--resume {args.resume}: no such {kind}")
-    anchored = args.outer != "none" or args.comm_dtype != "float32"
+    anchored = args.outer != "none" or args.comm_dtype != "float32" or args.density != 1
     if args.checkpoint_rounds and (not args.period or args.node_period or (args.overlap_steps and not anchored)):
         p.error(
             "--checkpoint-rounds needs --period N, no --node-period, and with --overlap-steps anchored rounds"
-            " (--outer nesterov or a --comm-dtype)"
+            " (--outer nesterov, a --comm-dtype or a --density)"
         )
     if args.log_every is None:
         args.log_every = max(1, args.steps // 10)
@@ -164,6 +164,7 @@ def mode_name(args: argparse.Namespace) -> str:
     parts += [f"nesterov{args.outer_lr:g}-{args.outer_momentum:g}"] if args.outer != "none" else []
     parts += [PAYLOADS[args.comm_dtype].short] if args.comm_dtype != "float32" else []
     parts += ["ef"] if args.error_feedback else []
+    parts += [f"density{args.density:.3g}"] if args.density != 1 else []
     parts += ["islands"] if args.layout == "islands" else []
     parts += ["sharded"] if args.shard == "node" else []
     parts += [f"node{args.node_period}"] if args.node_period else []
@@ -350,7 +351,7 @@ def run_config(args: argparse.Namespace, *settings: str, **more: Any) -> dict[st
     """What a resumed run must share with the checkpoint's run: the common flags, the example's ``settings`` (flag
     names) and ``more`` values (not the number of processes: a checkpoint holds one replica, averaged)."""
     flags = "batch_size lr seed period warmup_steps overlap_steps outer outer_lr outer_momentum comm_dtype fragments"
-    flags += " mixing error_feedback pace"
+    flags += " mixing error_feedback density error_decay pace"
     return {**{flag: getattr(args, flag) for flag in (*flags.split(), *settings)}, **more}
 
 

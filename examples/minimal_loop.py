@@ -1,5 +1,6 @@
-"""The smallest loop with every part: streaming DiLoCo with fp8 rounds, checkpoints after rounds that send nothing,
-a clean stop on SIGTERM, a resume from --out when the same command runs again, and sites that join a running run.
+"""The smallest loop with every part: streaming DiLoCo with fp8 rounds (or, with --density 1/64, sparse rounds),
+checkpoints after rounds that send nothing, a clean stop on SIGTERM, a resume from --out when the same command runs
+again, and sites that join a running run.
 
     fabric run --accelerator cpu --devices 2 examples/minimal_loop.py --steps 400 --out runs/minimal
     torchrun --nproc-per-node 2 examples/minimal_loop.py --steps 400 --out runs/minimal
@@ -21,6 +22,7 @@ from torch import nn
 
 from fabric_multimodel import Averager, Checkpointer, CoordinatorLost, Loop, Membership, RunEnded, setup_models
 from fabric_multimodel.membership.names import SITE_NAME_RULE, is_site_name
+from fabric_multimodel.plan.payloads import fraction
 from fabric_multimodel.run.cli import configure_logging
 from fabric_multimodel.run.launch import start_fabric
 
@@ -37,6 +39,7 @@ def main() -> int:
     p.add_argument("--coordinator", help="HOST:PORT: this world is site $SITE of a run whose sites come and go")
     p.add_argument("--min-sites", type=int, default=1, help="with --coordinator: the sites the run starts with")
     p.add_argument("--grace", type=float, default=300.0, help="seconds the coordinator may be away (it trains on)")
+    p.add_argument("--density", type=fraction, default=1.0, help="below 1 (e.g. 1/64): sparse rounds, not fp8 codes")
     args = p.parse_args()
     site = os.environ.get("SITE", "")
     if args.coordinator and not is_site_name(site):
@@ -47,10 +50,13 @@ def main() -> int:
     (model,) = setup_models(fabric, model=nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    payload = {"comm_dtype": torch.float8_e4m3fn, "outer_optimizer": outer}
+    if args.density < 1:  # what a site has not sent yet stands in for the outer momentum (SparseLoCo)
+        payload = {"density": args.density}
     options = {"device": fabric.device, "min_sites": args.min_sites, "grace_s": args.grace}
     membership = Membership(args.coordinator, site, **options) if args.coordinator else None
-    averager = Averager(fabric, model, period=32, warmup_steps=0, fragments=2, overlap_steps=2, outer_optimizer=outer,
-                        comm_dtype=torch.float8_e4m3fn, membership=membership)  # fmt: skip
+    averager = Averager(fabric, model, period=32, warmup_steps=0, fragments=2, overlap_steps=2, membership=membership,
+                        **payload)  # fmt: skip
     checkpointer = Checkpointer(fabric, args.out, averager=averager)
     state = {"model": model, "optimizer": optimizer, "averager": averager, "step": 0}
     if checkpointer.resume(state):  # its own newest; with --coordinator, the sites then agree on the run's newest

@@ -47,6 +47,8 @@ FLAGS = {
     "--outer-momentum": st.sampled_from(["0", "0.9", "1"]),
     "--comm-dtype": st.sampled_from(COMM_DTYPES),
     "--error-feedback": st.booleans(),
+    "--density": st.sampled_from([None, "1", "1/64", "0.0156", "0", "2/1"]),
+    "--error-decay": st.sampled_from([None, "0.95", "0.5", "1.5"]),
     "--fragments": st.integers(0, 4).map(str),
     "--mixing": st.sampled_from([None, "0", "0.5", "1", "1.5", "progress"]),
     "--pace": st.sampled_from(["steps", "speed"]),
@@ -62,8 +64,8 @@ def test_what_the_flags_let_through_the_averager_takes(values) -> None:
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, value]
-    parser, args = parsed(argv)
     try:
+        parser, args = parsed(argv)
         check_averager_arguments(parser, args)
     except Refused as refused:
         assert "--" in str(refused)  # names a flag
@@ -90,12 +92,16 @@ def test_what_the_flags_let_through_the_averager_takes(values) -> None:
         (["--period", "0", "--pace", "speed"], "--pace speed needs --period N"),
         (["--period", "8", "--mixing", "progress"], "--mixing progress .* needs --overlap-steps"),
         (["--period", "8", "--mixing", "0.5"], "--mixing sets how overlapped rounds merge; set --overlap-steps too"),
+        (["--period", "8", "--density", "1/64", "--comm-dtype", "float8_e4m3fn"], "combined with --comm-dtype"),
+        (["--period", "8", "--error-decay", "0.5"], "--error-decay is the decay .* set --density below 1 too"),
+        (["--period", "0", "--density", "1/64"], "--density and --fragments need --period N"),
+        (["--period", "8", "--density", "1/0"], "argument --density: invalid fraction value"),
+        (["--period", "8", "--density", "2"], "argument --density: invalid fraction value"),
     ],
 )
 def test_a_combination_the_averager_cannot_take_is_one_line_naming_the_flags(argv, message) -> None:
-    parser, args = parsed(argv)
     with pytest.raises(Refused, match=message):
-        check_averager_arguments(parser, args)
+        check_averager_arguments(*parsed(argv))
 
 
 @given(
@@ -118,6 +124,11 @@ def test_the_options_build_what_the_flags_say() -> None:
     assert options == {"period": 8, "warmup_steps": 3, "overlap_steps": 1, "fragments": 2, "mixing": 0.5}
     _, plain = parsed(["--period", "4"])
     assert averager_options(plain, optimizers=["adam"])["optimizers"] == ["adam"]  # blocking rounds average them
+    _, sparse = parsed(["--period", "4", "--density", "1/64", "--error-decay", "0.9"])
+    # sparse rounds keep the optimizers' state local, as DiLoCo does: averaging it would send it all, dense
+    assert averager_options(sparse, optimizers=["adam"]) == {
+        "period": 4, "warmup_steps": 3, "overlap_steps": 0, "density": 1 / 64, "error_decay": 0.9
+    }  # fmt: skip
 
 
 LAUNCHERS = {  # an environment variable each launcher sets, and the flag of its own for the processes per node

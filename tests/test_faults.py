@@ -340,7 +340,6 @@ BAD_STATES = {
     "negative steps": ({"steps": -1}, ValueError, "`steps`"),
     "float rounds": ({"rounds": 2.5}, ValueError, "`rounds`"),
     "synced beyond steps": ({"synced_at_step": 99}, ValueError, "beyond `steps`"),
-    "bytes below elements": ({"elements_communicated": 10, "bytes_communicated": 1}, ValueError, "fewer bytes"),
     "missing anchor": ({"anchor": None}, KeyError, "anchor"),
     "anchor of another model": ({"anchor": [torch.zeros(3)]}, ValueError, "does not match"),
 }

@@ -28,6 +28,7 @@ from fabric_multimodel.plan.cost_model import (
     utilisation,
     wire_bytes,
 )
+from fabric_multimodel.plan.payloads import SPARSE_CHUNK, max_bytes
 from fabric_multimodel.plan.planner import format_bits, main, parse_count
 from fabric_multimodel.run.report import parse_final_line
 
@@ -151,6 +152,29 @@ def test_a_low_bit_round_carries_its_block_scales() -> None:
     # synchronous DDP: one ring over all 4 processes of 2 sites, each edge leaving a site carrying 1.5x
     assert wire_bytes(base.replace(period=None, devices=2)) == 1.5 * 32_000 * 4
     assert wire_bytes(base.replace(fragments=4)) == 32_000 * 4 / 4
+
+
+def test_a_sparse_round_is_priced_at_its_longest_payload_to_each_other_site() -> None:
+    """A sparse round sends its payload, at most ``max_bytes``, to each of the other sites (an all-gather), per
+    fragment; ``density`` below 1 with a ``comm_dtype`` or without rounds is refused."""
+    base = Setting(218_496, 0.015, 128, density=1 / 64)
+    payload = max_bytes(218_496, SPARSE_CHUNK, 1 / 64)
+    assert wire_bytes(base) == payload and wire_bytes(base.replace(sites=4)) == 3 * payload
+    assert wire_bytes(base.replace(fragments=2)) == max_bytes(109_248, SPARSE_CHUNK, 1 / 64)
+    assert payload * 8 / 218_496 < 10.5 / 64 + 0.01  # about 10 bits an entry
+    for bad in ({"comm_dtype": "fp8"}, {"period": None}, {"density": 0.0}):
+        with pytest.raises(ValueError, match="`density`"):
+            base.replace(**bad)
+
+
+def test_a_density_is_recommended_only_when_no_dense_payload_reaches_the_target() -> None:
+    """The LM across 4 sites, 90% of its compute, periods up to 512: at 1 Mbit/s fp4 does it; at 100 kbit/s no dense
+    payload does, even overlapped all but a step, and a sparse round does."""
+    setting = Setting(218_496, 0.015, 128, sites=4)
+    assert recommend(setting, 1e6, 0.9, max_period=512).density == 1
+    chosen = recommend(setting, 100e3, 0.9, max_period=512)
+    assert chosen is not None and chosen.density < 1 and utilisation(chosen, 100e3) >= 0.9
+    assert all(utilisation(setting.replace(period=512, overlap_steps=511, comm_dtype=p), 100e3) < 0.9 for p in PAYLOADS)
 
 
 def test_overlap_hides_a_round_up_to_its_steps() -> None:

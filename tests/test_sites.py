@@ -732,6 +732,35 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
     return run_sites(ROOT / "examples" / "lm_fabric.py", flags, out=out, drop=drop, **options)
 
 
+@pytest.fixture(scope="module")
+def live_sparse(tmp_path_factory: pytest.TempPathFactory) -> SitesResult:
+    """The same three live sites at 1 mbit with sparse rounds (``--density 1/64``, no outer optimizer: SparseLoCo);
+    site 0 dropped once the three train together and started again 4 s later."""
+    out = tmp_path_factory.mktemp("live_sparse") / "run"
+    flags = [
+        "--steps", "3000", "--batch-size", "2", "--d-model", "32", "--layers", "1", "--heads", "2",
+        "--eval-batches", "2", "--log-every", "1000", "--checkpoint-every", "0", "--period", "16",
+        "--warmup-steps", "0", "--fragments", "2", "--overlap-steps", "2", "--density", "1/64",
+        "--timeout", "20", "--min-sites", "3", "--out", str(out.parent / "site{site}"),
+    ]  # fmt: skip
+    options = {"sites": 3, "devices": 1, "bandwidth": "1mbit", "stream": False, "timeout": 300, "launcher": "live"}
+    drop = Drop(0, at=1.0, back=5.0, seen="membership: epoch=1")
+    return run_sites(ROOT / "examples" / "lm_fabric.py", flags, out=out, drop=drop, **options)
+
+
+@pytest.mark.slow
+def test_live_sparse_sites_at_1mbit_lose_a_site_take_it_back_and_end_as_one_model(live_sparse):
+    """Issue 68's live run: the killed site comes back with the newest state (an empty accumulator of its own), the
+    run completes, and every site ends with the same model."""
+    assert live_sparse.code == 0 and live_sparse.codes == (0, 0, 0), report(live_sparse)
+    outputs = [out.read_text() for out, _ in live_sparse.logs]
+    finals = [parse_final_line(text, MEMBERSHIP_KEYS) for text in outputs]
+    assert {f["steps"] for f in finals} == {"3000"} and len({f["val_loss"] for f in finals}) == 1, finals
+    assert "density=0.015625" in outputs[1] and "site 0 back at" in (live_sparse.out / "sites.log").read_text()
+    assert [e["joined"] for e in membership_lines(outputs[1])][-1] == "0", outputs[1][-3000:]
+    assert leftovers(live_sparse.run_id) == []
+
+
 def membership_lines(text: str) -> list[dict[str, str]]:
     return [
         dict(f.split("=", 1) for f in line.split()[1:]) for line in text.splitlines() if line.startswith("membership:")

@@ -50,9 +50,10 @@ class Averager:
     ``step()`` calls 1..``warmup_steps`` are synchronous DDP; after them the modules issue no collective in
     forward or backward, and every ``period`` steps a round replaces the replicas by their mean (post-local SGD),
     or takes DiLoCo's outer step with their mean pseudo-gradient (``outer_optimizer``), sent in ``comm_dtype``
-    (``torch.bfloat16``, or block-quantized fp8/fp4: :mod:`fabric_multimodel.comm.quantized`), overlapped with
-    the next ``overlap_steps`` steps, one of ``fragments`` at a time (Streaming DiLoCo). Leaving the block
-    averages, so every replica leaves identical.
+    (``torch.bfloat16``, or block-quantized fp8/fp4: :mod:`fabric_multimodel.comm.quantized`) or, with ``density``
+    below 1, as each chunk's largest entries plus what was not sent before (SparseLoCo:
+    :mod:`fabric_multimodel.comm.sparse_mean`), overlapped with the next ``overlap_steps`` steps, one of
+    ``fragments`` at a time (Streaming DiLoCo). Leaving the block averages, so every replica leaves identical.
 
     The schedule, what leaving the block does, how a drifted or non-finite round fails, DiLoCo's anchor and memory,
     overlap, fragments, mixing, islands and checkpoints, in detail: the averaging guide, "The Averager in detail".
@@ -81,6 +82,8 @@ class Averager:
         # Streaming DiLoCo: a quarter of the model every 32 steps, each merged 8 steps later
         streaming = AveragerConfig(period=128, outer_optimizer=diloco, fragments=4, overlap_steps=8)
         Averager(fabric, model, streaming)
+
+        Averager(fabric, model, period=128, density=1 / 64)  # SparseLoCo: about 1/200 of fp32's bytes
     """
 
     def __init__(

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,14 +30,18 @@ from torch.optim import Optimizer
 from fabric_multimodel.averaging.arguments import Placement, check_fragments, plain_module
 from fabric_multimodel.averaging.auto_period import shortest_period
 from fabric_multimodel.averaging.config import AveragerConfig
+from fabric_multimodel.comm.codec import CODE_DTYPES
 from fabric_multimodel.comm.collectives import ProcessGroup, group_size
 from fabric_multimodel.comm.flat import FlatStorage, Part, local_part
+from fabric_multimodel.comm.quantized import QuantizedMean
+from fabric_multimodel.comm.sparse_mean import SparseMean
 from fabric_multimodel.ddp.models import ddp_ignored
 from fabric_multimodel.rounds.delta import DeltaRound
 from fabric_multimodel.rounds.fragments import fragment_indices
 from fabric_multimodel.rounds.header import Header
 from fabric_multimodel.rounds.outer import OuterRound
 from fabric_multimodel.rounds.round import MeanRound, Round
+from fabric_multimodel.rounds.transports import Encoding
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ def _round(
 ) -> Round:
     """The kind of round the options ask for."""
     overlap, check_finite, mixing = config.overlap_steps != 0, config.check_finite, config.mixing
-    if config.outer_optimizer is None and config.comm_dtype is None:
+    if config.outer_optimizer is None and config.comm_dtype is None and config.density == 1:
         return MeanRound(
             storage,
             group,
@@ -135,7 +140,8 @@ def _round(
         )
     anchored: dict[str, Any] = {"parts": parts, "comm_dtype": config.comm_dtype, "mixing": mixing, "node_group": node}
     anchored["own_buffers"] = own_buffers
-    anchored["error_feedback"] = config.error_feedback
+    anchored["encoding"] = encoding(config)
+    anchored["error_feedback"] = config.error_feedback or config.density != 1
     if config.outer_optimizer is None:
         return DeltaRound(storage, n_params, group, overlap=overlap, check_finite=check_finite, **anchored)
     return OuterRound(
@@ -148,6 +154,29 @@ def _round(
         check_finite=check_finite,
         **anchored,
     )
+
+
+def encoding(config: AveragerConfig) -> Encoding | None:
+    """What encodes an anchored round's payload: a ``density`` below 1's sparse mean, a low-bit ``comm_dtype``'s
+    quantized mean, or nothing (the payload is summed as it is)."""
+    if config.density != 1:
+        return functools.partial(_sparse, density=config.density, decay=config.error_decay)
+    if config.comm_dtype in CODE_DTYPES:
+        return functools.partial(_quantized, code_dtype=config.comm_dtype, error_feedback=config.error_feedback)
+    return None
+
+
+def _sparse(
+    numel: int, device: torch.device, group: ProcessGroup, exact_numel: int, *, density: float, decay: float
+) -> SparseMean:
+    return SparseMean(numel, density, device, group=group, exact_numel=exact_numel, decay=decay)
+
+
+def _quantized(
+    numel: int, device: torch.device, group: ProcessGroup, exact_numel: int, *, code_dtype: torch.dtype,
+    error_feedback: bool
+) -> QuantizedMean:  # fmt: skip
+    return QuantizedMean(numel, code_dtype, device, group=group, exact_numel=exact_numel, error_feedback=error_feedback)
 
 
 def averaged_tensors(

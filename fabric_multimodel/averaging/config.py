@@ -44,6 +44,10 @@ class AveragerConfig:
         outer_optimizer: DiLoCo's outer optimizer, a factory ``params -> Optimizer``.
         comm_dtype: the floating dtype of the payload; None sends the parameters' own dtype.
         error_feedback: with a low-bit ``comm_dtype``, add back what each rank's quantization dropped.
+        density: below 1, sparse rounds (SparseLoCo, arXiv 2508.15706): each rank sends the top ``density`` share of
+            each chunk of its pseudo-gradient plus its error-feedback accumulator, at about 10 bits an entry
+            (:mod:`fabric_multimodel.comm.sparse_mean`); the accumulator stands in for the outer momentum.
+        error_decay: the sparse rounds' accumulator decay (SparseLoCo's beta): ``e <- error_decay * e + delta``.
         overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch; ``"auto"`` (with
             ``period="auto"``): the steps a round needs, measured, then the smallest period they allow.
         fragments: 1 for rounds of everything; ``F`` (or a list of parameter groups) for streaming rounds.
@@ -66,6 +70,8 @@ class AveragerConfig:
     outer_optimizer: OuterOptimizerFactory | None = None
     comm_dtype: torch.dtype | None = None
     error_feedback: bool = False
+    density: float = 1.0
+    error_decay: float = 0.95
     overlap_steps: int | str = 0
     fragments: Fragments = 1
     mixing: float | None = None
@@ -195,11 +201,35 @@ def _check_payload(config: AveragerConfig, caller: str) -> None:
             f"{caller}: `error_feedback` keeps what block quantization drops; it needs a low-bit `comm_dtype`"
             f" (torch.float8_e4m3fn, torch.float8_e5m2 or torch.float4_e2m1fn_x2), got {comm_dtype!r}."
         )
+    _check_density(config, caller)
     if isinstance(config.outer_optimizer, Optimizer):
         raise TypeError(
             f"{caller}: `outer_optimizer` must be a factory that builds the optimizer from the parameters it is"
             " given, not an optimizer: e.g."
             " functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)."
+        )
+
+
+def _check_density(config: AveragerConfig, caller: str) -> None:
+    """Sparse rounds: a density in (0, 1], and what it cannot be combined with."""
+    density, decay = config.density, config.error_decay
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(
+            f"{caller}: `density` must be a number with 0 < density <= 1 (1: dense rounds), got {density!r}."
+        )
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 <= decay <= 1:
+        raise ValueError(f"{caller}: `error_decay` must be a number in [0, 1], got {decay!r}.")
+    if density == 1:
+        if decay != AveragerConfig.error_decay:
+            raise ValueError(
+                f"{caller}: `error_decay` is the decay of the sparse rounds' accumulator; set `density` below 1 too,"
+                " or drop `error_decay`."
+            )
+        return
+    if config.comm_dtype is not None:
+        raise ValueError(
+            f"{caller}: `density` ({density}) sends each entry in its own two-level code; it cannot be combined with"
+            f" `comm_dtype` ({config.comm_dtype}): drop one of them."
         )
 
 
@@ -216,13 +246,15 @@ def _check_node_period(config: AveragerConfig, caller: str) -> None:
             )
         if (
             config.comm_dtype is not None
+            or config.density != 1
             or config.outer_optimizer is not None
             or config.overlap_steps
             or config.fragments != 1
         ):
             raise ValueError(
                 f"{caller}: two-level averaging (`node_period`) is plain, blocking averaging; drop outer_optimizer,"
-                " comm_dtype, overlap_steps and fragments, or use the islands layout (DDP inside the node) for those."
+                " comm_dtype, density, overlap_steps and fragments, or use the islands layout (DDP inside the node)"
+                " for those."
             )
 
 
@@ -233,14 +265,15 @@ def _check_pace(config: AveragerConfig, caller: str) -> None:
             f"{caller}: `pace` must be 'steps' (every site runs `period` local steps per round) or 'speed' (each"
             f" site in proportion to its speed), got {config.pace!r}."
         )
-    paced_round = config.fragments == 1 and not config.overlap_steps and config.comm_dtype not in CODE_DTYPES
+    encoded = config.comm_dtype in CODE_DTYPES or config.density != 1
+    paced_round = config.fragments == 1 and not config.overlap_steps and not encoded
     if config.pace == "speed" and (
         config.period == "auto" or config.warmup_steps < 2 or config.node_period is not None or not paced_round
     ):
         raise ValueError(
             f"{caller}: `pace='speed'` times the warm-up's steps and paces blocking rounds of the whole model: it"
-            " needs a number `period` and `warmup_steps` >= 2, and no `fragments`, `overlap_steps`, `node_period` or"
-            " low-bit `comm_dtype` yet."
+            " needs a number `period` and `warmup_steps` >= 2, and no `fragments`, `overlap_steps`, `node_period`,"
+            " low-bit `comm_dtype` or `density` yet."
         )
 
 

@@ -41,10 +41,6 @@ def checked_counters(
             f"Averager.load_state_dict: `synced_at_step` ({values['synced_at_step']}) is beyond `steps`"
             f" ({values['steps']}); the state is corrupt."
         )
-    if 2 * values["bytes_communicated"] < values["elements_communicated"]:  # no payload is below 4 bits
-        raise ValueError(
-            "Averager.load_state_dict: fewer bytes than half the elements communicated; the state is corrupt."
-        )
     synced_at = _whole_numbers(
         state.get("fragments_synced_at", [values["synced_at_step"]] * fragments),
         fragments,

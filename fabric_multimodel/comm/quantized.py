@@ -247,13 +247,14 @@ class QuantizedMean:
         self.exchange()
         self.finish()
 
-    def start(self, payload: torch.Tensor, exact: torch.Tensor | None = None) -> None:
+    def start(self, payload: torch.Tensor, exact: torch.Tensor | None = None, *, carry: bool = True) -> None:
         """Quantize ``payload`` (and copy ``exact``) into the send buffer and launch the all-to-all.
 
         Both are only read here; :meth:`finish` writes the results into them. Every argument is
         checked before any collective (every rank passes the same kind of arguments, so every rank
         raises). With error feedback, the residual is added first and replaced by what this
-        quantization dropped.
+        quantization dropped; ``carry=False`` leaves it for a later round (this rank made no progress
+        for this one, which may not be applied at all).
         """
         flat, exact_flat = self._check_round(payload, exact)
         codec, layout, send = self._codec, self._layout, self._send
@@ -263,7 +264,7 @@ class QuantizedMean:
         for tile in self._tiles:
             x = self._source(flat, tile)
             tile_codes, tile_scales = codes[tile.shards, tile.blocks], scales[tile.shards, tile.blocks]
-            if self._residual is None:
+            if self._residual is None or not carry:
                 codec.encode(x, tile_codes, tile_scales)
                 continue
             residual = self._residual[tile.start : tile.start + tile.size].view_as(x)

@@ -21,46 +21,11 @@ Example::
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-#: Bytes of the two fp16 magnitudes each chunk carries.
-SCALE_BYTES = 4
+from fabric_multimodel.plan.payloads import SCALE_BYTES, max_bytes, per_chunk, rice_bits
 
-
-def per_chunk(chunk: int, density: float) -> int:
-    """Entries kept of each full chunk: ``density * chunk`` rounded, at least 1, at most ``chunk``.
-
-    Example::
-
-        per_chunk(4096, 1 / 64)  # 64
-    """
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"sparse: `chunk` must be a positive int, got {chunk!r}.")
-    if not isinstance(density, (int, float)) or isinstance(density, bool) or not 0 < density <= 1:
-        raise ValueError(f"sparse: `density` must be in (0, 1], got {density!r}.")
-    return min(chunk, max(1, round(density * chunk)))
-
-
-def rice_bits(chunk: int, k: int) -> int:
-    """The width ``r`` of a gap's low part: near the best Rice parameter for gaps of mean ``chunk / k``."""
-    mean_gap = max(chunk / k - 1, 1.0)
-    return max(0, round(math.log2(mean_gap * math.log(2))))
-
-
-def max_bytes(numel: int, chunk: int, density: float) -> int:
-    """The longest payload :func:`encode` can make for ``numel`` values: the bound a receiver holds a peer's to.
-
-    Example::
-
-        max_bytes(65_536, 4096, 1 / 64)  # 1342: 10.5 bits an entry
-    """
-    k = per_chunk(chunk, density)
-    counts = _counts(numel, chunk, k)
-    entries, r = int(counts.sum()), rice_bits(chunk, k)
-    unary = entries + (numel - entries) // 2**r + len(counts)  # a chunk's gaps sum to at most its free places
-    return len(counts) * SCALE_BYTES + -(-(entries * (2 + r) + unary) // 8)
+__all__ = ["SCALE_BYTES", "decode", "encode", "max_bytes", "pack_bits", "per_chunk", "rice_bits", "unpack_bits"]
 
 
 def _counts(numel: int, chunk: int, k: int) -> torch.Tensor:
@@ -105,7 +70,9 @@ def encode(values: torch.Tensor, chunk: int, density: float) -> tuple[torch.Tens
     unary = torch.ones(int(ends[-1]) + 1, dtype=torch.uint8, device=device)
     unary[ends] = 0
     bits = torch.cat([torch.signbit(chosen).to(torch.uint8), large.to(torch.uint8), low.to(torch.uint8), unary])
-    return torch.cat([scales.half().view(torch.uint8).reshape(-1), _pack(bits)]), sent.view_as(values).to(values.dtype)
+    return torch.cat([scales.half().view(torch.uint8).reshape(-1), pack_bits(bits)]), sent.view_as(values).to(
+        values.dtype
+    )
 
 
 def decode(payload: torch.Tensor, numel: int, chunk: int, density: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,10 +95,10 @@ def decode(payload: torch.Tensor, numel: int, chunk: int, density: float) -> tup
     head, fixed = chunks * SCALE_BYTES, entries * (2 + r)
     if (payload.numel() - head) * 8 < fixed + entries:
         raise ValueError(f"sparse.decode: {payload.numel()} bytes are too few for {entries} entries.")
-    scales = payload[:head].view(torch.float16).float().view(chunks, 2)
+    scales = payload[:head].clone().view(torch.float16).float().view(chunks, 2)  # a copy: any offset can be viewed
     if not torch.isfinite(scales).all() or (scales < 0).any():
         raise ValueError("sparse.decode: the payload's scales are not finite non-negative numbers.")
-    bits = _unpack(payload[head:])
+    bits = unpack_bits(payload[head:])
     sign, large, low, unary = (
         bits[:entries].bool(),
         bits[entries : 2 * entries].bool(),
@@ -173,11 +140,17 @@ def _levels(chosen: torch.Tensor, rows: torch.Tensor, chunks: int) -> tuple[torc
     return scales.float(), large
 
 
-def _pack(bits: torch.Tensor) -> torch.Tensor:
-    """Bits (0/1, uint8) as bytes, first bit highest; the last byte filled with ones (never a unary code's end)."""
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Bits (0/1, uint8) as bytes, first bit highest; the last byte filled with ones (never a unary code's end).
+
+    Example::
+
+        pack_bits(torch.tensor([1, 0, 1], dtype=torch.uint8))  # tensor([191], dtype=torch.uint8)
+    """
     padded = torch.cat([bits, bits.new_ones((-bits.numel()) % 8)]).view(-1, 8)
     return (padded << torch.arange(7, -1, -1, device=bits.device, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
 
 
-def _unpack(data: torch.Tensor) -> torch.Tensor:
+def unpack_bits(data: torch.Tensor) -> torch.Tensor:
+    """The bits (0/1, uint8) of bytes ``data``, first bit highest: what :func:`pack_bits` packed, and its filling."""
     return ((data[:, None] >> torch.arange(7, -1, -1, device=data.device, dtype=torch.uint8)) & 1).reshape(-1)

@@ -6,7 +6,9 @@ What it counts, per site (each site one link of ``rate`` bits per second, each w
 
 - **Bytes.** A round moves ``2 (W - 1) / W`` of its payload across each site's link, for ``W`` sites: a ring
   allreduce, and a low-bit round's all-to-all then all-gather alike. The payload is the parameters of a fragment in
-  ``comm_dtype``, low-bit ones with one bf16 scale per block of :data:`BLOCK_SIZE` elements. Islands (``devices``
+  ``comm_dtype``, low-bit ones with one bf16 scale per block of :data:`BLOCK_SIZE` elements. A sparse round
+  (``density`` below 1) sends its payload, the most :func:`~fabric_multimodel.plan.payloads.max_bytes` allows, to
+  each of the ``W - 1`` other sites (an all-gather: sparse vectors do not sum in a ring). Islands (``devices``
   processes per site) send ``1/devices`` each, over the same link: the site's bytes do not change.
 - **Time.** A round takes its bytes over the rate, plus ``latency_s`` per phase of its collective (``2 (W - 1)``).
 - **What the run waits for.** A blocking round waits all of it; a round overlapped by ``overlap_steps`` steps
@@ -104,6 +106,7 @@ class Setting:
     fragments: int = 1
     overlap_steps: int = 0
     comm_dtype: str = "float32"
+    density: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -118,6 +121,11 @@ class Setting:
                 raise ValueError(f"Setting: `{name}` must be at least 1, got {getattr(self, name)}.")
         if self.overlap_steps < 0:
             raise ValueError(f"Setting: `overlap_steps` must be at least 0, got {self.overlap_steps}.")
+        if not 0 < self.density <= 1 or (self.density < 1 and (self.period is None or dtype != "float32")):
+            raise ValueError(
+                f"Setting: `density` must be in (0, 1], and below 1 only for averaging rounds with no `comm_dtype`"
+                f" (sparse rounds code their own values); got {self.density} with {dtype}."
+            )
         if self.period is not None and self.period < self.fragments * (self.overlap_steps + 1):
             raise ValueError(
                 f"Setting: `period` ({self.period}) must be at least fragments x (overlap_steps + 1) ="
@@ -139,6 +147,8 @@ def payload_bytes(setting: Setting, assumptions: Assumptions = LIBRARY) -> float
     if setting.period is None:
         per_element = 2.0 if assumptions.rounds_in_backward else 4.0  # the paper's DP sends bf16 gradients
         return setting.params * per_element
+    if setting.density < 1:
+        return payloads.max_bytes(round(setting.params / setting.fragments), payloads.SPARSE_CHUNK, setting.density)
     per_element = CODE_BYTES[setting.comm_dtype]
     if per_element < 2 and assumptions.scales:
         per_element += SCALE_BYTES / BLOCK_SIZE
@@ -148,8 +158,10 @@ def payload_bytes(setting: Setting, assumptions: Assumptions = LIBRARY) -> float
 def wire_bytes(setting: Setting, assumptions: Assumptions = LIBRARY) -> float:
     """Bytes a round puts on each site's link: ``2 (W - 1) / W`` of its payload, for ``W`` sites (rounds: a site's
     processes send their slices of one payload) or every process (synchronous DDP: one ring over all of them, each
-    of its edges that leaves a site carrying that much)."""
+    of its edges that leaves a site carrying that much); a sparse round's payload to each of the ``W - 1`` others."""
     ranks = assumptions.ring_sites or setting.sites * (setting.devices if setting.period is None else 1)
+    if setting.density < 1:
+        return payload_bytes(setting, assumptions) * (ranks - 1)
     return payload_bytes(setting, assumptions) * 2 * (ranks - 1) / ranks
 
 
@@ -286,6 +298,8 @@ def bandwidth_for(setting: Setting, target: float, assumptions: Assumptions = LI
 
 #: Payloads in the order a recommendation tries them: the most exact first.
 PAYLOADS = ("float32", "bfloat16", "float8_e4m3fn", "float4_e2m1fn_x2")
+#: Sparse rounds' densities, tried, the densest first, when no payload above reaches the target.
+DENSITIES = (1 / 16, 1 / 64, 1 / 256)
 
 
 def recommend(
@@ -293,7 +307,8 @@ def recommend(
 ) -> Setting | None:
     """The settings that reach ``target`` at ``rate``: the smallest period (the replicas stay closest), then the
     most exact payload, then the shortest overlap (fewer stale steps); ``setting``'s model, step, sites and
-    fragments. None when no period up to ``max_period`` does.
+    fragments. When no dense payload reaches it with a period up to ``max_period``, the same among sparse rounds'
+    :data:`DENSITIES`. None when none does.
 
     Example::
 
@@ -302,15 +317,19 @@ def recommend(
     longest = max_period // setting.fragments - 1  # the longest overlap any period up to max_period allows
     if longest < 0:
         return None
-    best: tuple[int, int, int] | None = None
-    for rank, payload in enumerate(PAYLOADS):
-        least, overlap = _least_period(setting.replace(comm_dtype=payload), rate, target, assumptions, longest)
-        if least <= max_period and (best is None or (least, rank, overlap) < best):
-            best = (least, rank, overlap)
-    if best is None:
-        return None
-    least, rank, overlap = best
-    return setting.replace(period=least, overlap_steps=overlap, comm_dtype=PAYLOADS[rank])
+    for payloads_tried in (
+        [{"comm_dtype": payload, "density": 1.0} for payload in PAYLOADS],
+        [{"comm_dtype": "float32", "density": density} for density in DENSITIES],
+    ):
+        best: tuple[int, int, int] | None = None
+        for rank, payload in enumerate(payloads_tried):
+            least, overlap = _least_period(setting.replace(**payload), rate, target, assumptions, longest)
+            if least <= max_period and (best is None or (least, rank, overlap) < best):
+                best = (least, rank, overlap)
+        if best is not None:
+            least, rank, overlap = best
+            return setting.replace(period=least, overlap_steps=overlap, **payloads_tried[rank])
+    return None
 
 
 def _least_period(

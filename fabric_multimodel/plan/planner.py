@@ -6,7 +6,8 @@ Two questions, and a third:
 - ``--bandwidth RATE``: what share of the time does this setting compute at that link?
 - ``--target 0.95``: what link does it need for that share?
 - ``--recommend`` (with both): which period, payload and overlap reach the target at that link (the smallest
-  period, then the most exact payload, then the shortest overlap), with their figures.
+  period, then the most exact payload, then the shortest overlap; sparse rounds' densities when no dense payload
+  does within ``--max-period``), with their figures.
 
 Usage::
 
@@ -15,6 +16,8 @@ Usage::
     python -m fabric_multimodel.plan --params 10B --step-s 0.8 --sync --target 0.95      # synchronous DDP
     python -m fabric_multimodel.plan --params 100B --step-s 4.9 --fragments 36 --bandwidth 1gbit --target 0.95 \\
         --recommend
+    python -m fabric_multimodel.plan --params 218496 --step-s 0.015 --sites 4 --period 128 --density 1/64 \\
+        --bandwidth 100kbit --target 0.9
 
 The last line is for machines: ``plan: utilisation=... bandwidth_bits=... round_bytes=... round_s=...`` (the
 setting's, or the recommended one's).
@@ -40,7 +43,7 @@ from fabric_multimodel.plan.cost_model import (
     utilisation,
     wire_bytes,
 )
-from fabric_multimodel.plan.payloads import PAYLOADS
+from fabric_multimodel.plan.payloads import PAYLOADS, fraction
 from fabric_multimodel.plan.rates import RATE_FORMS, parse_rate
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -76,6 +79,13 @@ def format_bits(rate: float) -> str:
     return f"{rate:.3g} bit/s"
 
 
+def _density(text: str) -> float:
+    try:
+        return fraction(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _rate(text: str) -> float:
     rate = parse_rate(text)
     if rate is None:
@@ -103,9 +113,16 @@ def parser() -> argparse.ArgumentParser:
         choices=[*PAYLOADS, *(p.short for p in PAYLOADS.values())],
         help="what a round sends (the examples' names, or their short ones: fp32, bf16, fp8, fp4, ...)",
     )
+    p.add_argument(
+        "--density",
+        type=_density,
+        default=1.0,
+        help="below 1: sparse rounds sending this share of the entries (1/64, 0.0156)",
+    )
     p.add_argument("--bandwidth", type=_rate, help=f"the link of each site, each way: {RATE_FORMS}")
     p.add_argument("--target", type=float, help="the share of the time computing to reach, e.g. 0.95")
     p.add_argument("--recommend", action="store_true", help="the settings that reach --target at --bandwidth")
+    p.add_argument("--max-period", type=int, default=100_000, help="with --recommend: the longest period to consider")
     p.add_argument("--latency-ms", type=float, default=0.0, help="milliseconds per phase of a round's collective")
     p.add_argument(
         "--assumptions",
@@ -124,13 +141,13 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Settin
         p.error(f"--target must be a share in (0, 1), e.g. 0.95; got {args.target}")
     if args.recommend and (args.sync or args.bandwidth is None or args.target is None):
         p.error("--recommend needs --bandwidth and --target, and averages (no --sync)")
-    if args.step_s <= 0 or args.latency_ms < 0 or args.layers < 1:
-        p.error("--step-s must be positive, --latency-ms at least 0 and --layers at least 1")
+    if args.step_s <= 0 or args.latency_ms < 0 or args.layers < 1 or args.max_period < 1:
+        p.error("--step-s must be positive, --latency-ms at least 0, --layers and --max-period at least 1")
     period = None if args.sync else (args.period or 100)
     try:
         setting = Setting(
             args.params, args.step_s, period, args.sites, args.devices, args.fragments, args.overlap_steps,
-            args.comm_dtype,
+            args.comm_dtype, args.density,
         )  # fmt: skip
     except ValueError as error:
         p.error(str(error).replace("Setting: ", "").replace("`", "--").replace("_", "-"))
@@ -147,7 +164,8 @@ def describe(setting: Setting) -> str:
         text += f", {setting.fragments} fragments"
     if setting.overlap_steps:
         text += f", overlap {setting.overlap_steps}"
-    return f"{text}, {PAYLOADS[setting.comm_dtype].short}, {setting.sites} sites x {setting.devices}"
+    payload = f"density {setting.density:.3g}" if setting.density < 1 else PAYLOADS[setting.comm_dtype].short
+    return f"{text}, {payload}, {setting.sites} sites x {setting.devices}"
 
 
 def _row(setting: Setting, rate: float | None, target: float | None, assumptions: Assumptions) -> list[str]:
@@ -171,9 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [_row(setting, rate, target, assumptions)]
     chosen = setting
     if args.recommend:
-        found = recommend(setting, rate, target, assumptions)
+        found = recommend(setting, rate, target, assumptions, args.max_period)
         if found is None:
-            print(f"plan: no period up to 100,000 steps reaches {target:.0%} at {format_bits(rate)}")
+            print(f"plan: no period up to {args.max_period:,} steps reaches {target:.0%} at {format_bits(rate)}")
         else:
             chosen = found
             rows.append(_row(found, rate, target, assumptions))
@@ -196,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         fields["period"] = str(chosen.period)
         fields["overlap_steps"] = str(chosen.overlap_steps)
         fields["comm_dtype"] = chosen.comm_dtype
+        fields["density"] = f"{chosen.density:.6g}"
     order = ["utilisation", "bandwidth_bits", "round_bytes", "round_s", "period", "overlap_steps", "comm_dtype"]
+    order.append("density")
     print("plan: " + " ".join(f"{key}={fields[key]}" for key in order if key in fields))
     return 0
 

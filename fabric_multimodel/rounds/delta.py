@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 
-from fabric_multimodel.comm.codec import CODE_DTYPES
 from fabric_multimodel.comm.collectives import ProcessGroup
 from fabric_multimodel.comm.flat import FlatStorage, Part
-from fabric_multimodel.comm.quantized import QuantizedMean
 from fabric_multimodel.rounds.header import Stamp
 from fabric_multimodel.rounds.round import Round
-from fabric_multimodel.rounds.transports import NodeSlices, QuantizedTransport
+from fabric_multimodel.rounds.transports import EncodedTransport, Encoding, NodeSlices
 
 
 class DeltaRound(Round):
@@ -28,11 +26,12 @@ class DeltaRound(Round):
     fragments (sized for the largest), plus a snapshot (one more copy) when overlapped. All
     allocated once.
 
-    A low-bit ``comm_dtype`` (``torch.float8_e4m3fn``, ``torch.float8_e5m2``,
-    ``torch.float4_e2m1fn_x2``) sends the fp32 pseudo-gradient through a
-    :class:`~fabric_multimodel.comm.quantized.QuantizedMean` per part (an all-to-all of block-quantized
-    codes, the owners' means, an all-gather; the header in its exact channel), and with
-    ``error_feedback`` each rank adds back what its last quantization of the part dropped.
+    An ``encoding`` sends the fp32 pseudo-gradient through an
+    :class:`~fabric_multimodel.rounds.transports.EncodedMean` per part, the header in its exact channel: a low-bit
+    ``comm_dtype``'s :class:`~fabric_multimodel.comm.quantized.QuantizedMean` (block-quantized codes) or a
+    ``density``'s :class:`~fabric_multimodel.comm.sparse_mean.SparseMean` (each chunk's top entries). With
+    ``error_feedback`` each rank's mean keeps what its last rounds of the part did not send (checkpointed with the
+    anchor, cleared when the round is rolled back or the replica replaced).
     """
 
     def __init__(
@@ -46,17 +45,18 @@ class DeltaRound(Round):
         overlap: bool,
         check_finite: bool,
         mixing: float | None = None,
+        encoding: Encoding | None = None,
         error_feedback: bool = False,
         node_group: ProcessGroup = None,
         own_buffers: bool = False,
     ) -> None:
         dtypes = {flat.dtype for flat in storage.buffers}
-        #: The code dtype of a quantized round (None: the payload is sent as it is, in ``comm_dtype``).
-        self.code_dtype = comm_dtype if comm_dtype in CODE_DTYPES else None
+        #: Builds each part's encoded mean (None: the payload is summed as it is, in ``comm_dtype``).
+        self.encoding = encoding
         self._error_feedback = error_feedback
-        if self.code_dtype is not None:
-            comm_dtype = torch.float32  # the pseudo-gradient is computed in fp32 and quantized by the transport
-        one_dtype = self.code_dtype is None and (comm_dtype is None or dtypes == {comm_dtype})
+        if encoding is not None:
+            comm_dtype = torch.float32  # the pseudo-gradient is computed in fp32 and encoded by the transport
+        one_dtype = encoding is None and (comm_dtype is None or dtypes == {comm_dtype})
         in_place = not overlap and one_dtype and not own_buffers
         super().__init__(
             storage,
@@ -69,11 +69,12 @@ class DeltaRound(Round):
             mixing=mixing,
             node_group=node_group,
         )
-        self.phases = 2 if self.code_dtype is not None else 1
+        self.phases = 2 if encoding is not None else 1
         self.n_params = n_params
         #: The parts whose next round is their first across the islands: a plain mean that sets the anchor.
         self.fresh: set[int] = set()
         self._first: int | None = None  # the part of the round in flight when it is that part's first
+        self._progress = True  # whether this rank made progress for the round in flight
         self.anchor = self.storage.mirror()
         self.snapshot = self.storage.mirror() if overlap else []
         # Per storage buffer, where its parameters end and its buffers (anchored at zero) begin.
@@ -84,21 +85,13 @@ class DeltaRound(Round):
         self.anchor_parameters()
 
     def _transport(self, part: Part, payload: list[torch.Tensor], head: torch.Tensor) -> Any:
-        if self.code_dtype is None:
+        if self.encoding is None:
             return super()._transport(part, payload, head)
         data = self.send[0][: sum(part.sizes)]
         mine = self._slice(data) if self.slices > 1 else data  # every slice's round carries the header
-        mean = QuantizedMean(
-            mine.numel(),
-            self.code_dtype,
-            self.send[0].device,
-            group=self.group,
-            exact_numel=head.numel(),
-            error_feedback=self._error_feedback,
-        )
+        mean = self.encoding(mine.numel(), self.send[0].device, self.group, head.numel())
         mean.abandon = self._abandon
-        quantized = QuantizedTransport(mean, mine, head)
-        agreed = self._agreed(quantized)
+        agreed = self._agreed(EncodedTransport(mean, mine, head, lambda: self._progress))
         return agreed if self.slices == 1 else NodeSlices(agreed, [data], self.node_group)
 
     anchored = True
@@ -110,7 +103,7 @@ class DeltaRound(Round):
         abandon: Callable[[], bool] | None = None,
         agree: Callable[[bool], bool] | None = None,
     ) -> None:
-        # Error feedback: what each part's quantization dropped is this rank's and goes on in the new group (a
+        # Error feedback: what each part's mean kept is this rank's and goes on in the new group (a
         # dropped round leaves its own error there instead of the one before: both are one quantization's).
         previous = getattr(self, "_transports", []) if self._error_feedback else []
         super().regroup(group, abandon, agree)
@@ -118,6 +111,7 @@ class DeltaRound(Round):
             transport.mean.keep_residual(before.mean)
 
     def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
+        self._progress = stamp.progress  # what an encoded mean kept is sent only with progress (EncodedTransport)
         self._first = part if part in self.fresh else None
         if self._first is not None:  # no anchor shared yet: send the parameters themselves, for a plain mean
             self._clear_anchor(self.parts[part])
@@ -206,7 +200,7 @@ class DeltaRound(Round):
 
     def _move_anchor(self, summed: list[torch.Tensor]) -> None:
         """Move the part's anchor by the mean pseudo-gradient (``summed`` holds the sum over ranks; scratch)."""
-        alpha = 1 / self.world if self._carrier.sums else 1.0  # a quantized transport delivers the mean itself
+        alpha = 1 / self.world if self._carrier.sums else 1.0  # an encoded transport delivers the mean itself
         for anchor, total in zip(self.part.of(self.anchor), summed):
             anchor.sub_(total, alpha=alpha)
 

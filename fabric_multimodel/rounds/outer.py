@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from fabric_multimodel.comm.collectives import ProcessGroup
 from fabric_multimodel.comm.flat import FlatStorage, Part, local_part
 from fabric_multimodel.rounds.delta import DeltaRound
+from fabric_multimodel.rounds.transports import Encoding
 
 OuterOptimizerFactory = Callable[[list[torch.Tensor]], Optimizer]
 
@@ -44,6 +45,7 @@ class OuterRound(DeltaRound):
         parts: Sequence[Part] | None = None,
         order: Sequence[int] | None = None,
         mixing: float | None = None,
+        encoding: Encoding | None = None,
         error_feedback: bool = False,
         node_group: ProcessGroup = None,
         own_buffers: bool = False,
@@ -57,6 +59,7 @@ class OuterRound(DeltaRound):
             overlap=overlap,
             check_finite=check_finite,
             mixing=mixing,
+            encoding=encoding,
             error_feedback=error_feedback,
             node_group=node_group,
             own_buffers=own_buffers,
@@ -72,7 +75,7 @@ class OuterRound(DeltaRound):
         if not self._outer:
             super()._move_anchor(summed)
             return
-        if self._carrier.sums:  # a quantized transport delivers the mean itself
+        if self._carrier.sums:  # an encoded transport delivers the mean itself
             for total in summed:
                 total.div_(self.world)
         stepped = set(self.part.indices)

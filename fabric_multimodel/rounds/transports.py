@@ -1,18 +1,48 @@
-"""How a round's payload crosses: a SUM allreduce per buffer (:class:`SumTransport`), a block-quantized mean
-(:class:`QuantizedTransport`), the islands' slices broadcast inside each node (:class:`NodeSlices`), and a site of
-several processes that merges or drops a round as one (:class:`Agreed`). Each has ``start``, ``exchange``,
-``finish``, ``traffic`` and ``sums`` (whether the payload then holds the sum or the mean)."""
+"""How a round's payload crosses: a SUM allreduce per buffer (:class:`SumTransport`), an encoded mean
+(block-quantized or sparse: :class:`EncodedTransport` around an :class:`EncodedMean`), the islands' slices broadcast
+inside each node (:class:`NodeSlices`), and a site of several processes that merges or drops a round as one
+(:class:`Agreed`). Each has ``start``, ``exchange``, ``finish``, ``traffic`` and ``sums`` (whether the payload then
+holds the sum or the mean)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, group_ranks, wait_all
-from fabric_multimodel.comm.quantized import QuantizedMean
+
+
+class EncodedMean(Protocol):
+    """A mean across ranks that encodes the payload on the way
+    (:class:`~fabric_multimodel.comm.quantized.QuantizedMean`, :class:`~fabric_multimodel.comm.sparse_mean.SparseMean`):
+    three phases, an exact channel for the header, and
+    what it keeps of this rank's payload between rounds (error feedback)."""
+
+    abandon: Callable[[], bool] | None
+
+    @property
+    def traffic(self) -> Traffic: ...
+
+    def start(self, payload: torch.Tensor, exact: torch.Tensor | None = None, *, carry: bool = True) -> None: ...
+
+    def exchange(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def clear_residual(self) -> None: ...
+
+    def keep_residual(self, previous: Any) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+#: Builds the :class:`EncodedMean` of a round's payload: ``(numel, device, group, exact_numel)``.
+Encoding = Callable[[int, torch.device, ProcessGroup, int], EncodedMean]
 
 
 class SumTransport:
@@ -47,14 +77,16 @@ class SumTransport:
         wait_all(work, self.abandon)
 
 
-class QuantizedTransport:
-    """A block-quantized mean (fp8 or fp4 codes, see :mod:`fabric_multimodel.comm.quantized`): an all-to-all, then,
-    at :meth:`exchange` or :meth:`finish`, an all-gather. The header rides in its exact channel."""
+class EncodedTransport:
+    """An encoded mean (:class:`EncodedMean`): launched at :meth:`start`, its second exchange at :meth:`exchange` or
+    :meth:`finish`. The header rides in its exact channel. ``carry()`` says whether this rank made progress for the
+    round: only then does the mean add what it kept from earlier rounds (a round no rank made progress for is not
+    applied, and what it sent of that would be lost)."""
 
     sums = False  # after finish() the payload holds the mean; the header holds the exact sum
 
-    def __init__(self, mean: QuantizedMean, payload: torch.Tensor, head: torch.Tensor) -> None:
-        self.mean, self.payload, self.head = mean, payload, head
+    def __init__(self, mean: EncodedMean, payload: torch.Tensor, head: torch.Tensor, carry: Callable[[], bool]) -> None:
+        self.mean, self.payload, self.head, self.carry = mean, payload, head, carry
         self._sent = False
 
     @property
@@ -62,7 +94,7 @@ class QuantizedTransport:
         return self.mean.traffic
 
     def start(self) -> None:
-        self.mean.start(self.payload, self.head)
+        self.mean.start(self.payload, self.head, carry=self.carry())
         self._sent = True
 
     def exchange(self) -> None:
@@ -90,7 +122,7 @@ class WrappingTransport:
         return self.inner.sums
 
     @property
-    def mean(self) -> QuantizedMean:
+    def mean(self) -> EncodedMean:
         return self.inner.mean
 
 

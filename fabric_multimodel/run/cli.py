@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fabric_multimodel.membership.names import check_site_name
-from fabric_multimodel.plan.payloads import PAYLOADS
+from fabric_multimodel.plan.payloads import PAYLOADS, fraction
 from fabric_multimodel.run import launch
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ def _word_or(word: str, number: Callable[[str], Any], what: str) -> Callable[[st
 def add_averager_arguments(parser: argparse.ArgumentParser, *, warmup_steps: int = 0) -> argparse._ArgumentGroup:
     """Add the group ``averaging (local SGD and DiLoCo)``: ``--period`` (0, the default: synchronous DDP),
     ``--warmup-steps``, ``--overlap-steps``, ``--outer``, ``--outer-lr``, ``--outer-momentum``, ``--comm-dtype``,
-    ``--error-feedback``, ``--fragments``, ``--mixing``, ``--pace``; returns the group, for flags of your own.
+    ``--error-feedback``, ``--density``, ``--error-decay``, ``--fragments``, ``--mixing``, ``--pace``; returns the
+    group, for flags of your own.
 
     Example::
 
@@ -104,6 +105,16 @@ def add_averager_arguments(parser: argparse.ArgumentParser, *, warmup_steps: int
     )  # fmt: skip
     g.add_argument(
         "--error-feedback", action="store_true", help="low-bit rounds: add back what each rank's quantization dropped"
+    )
+    g.add_argument(
+        "--density",
+        type=fraction,
+        default=1.0,
+        help="below 1: sparse rounds (SparseLoCo): each rank sends this share of each chunk's entries, the largest,"
+        " plus what it did not send before (e.g. 1/64)",
+    )
+    g.add_argument(
+        "--error-decay", type=float, default=0.95, help="sparse rounds: the decay of what each rank did not send yet"
     )
     g.add_argument(
         "--pace",
@@ -141,10 +152,14 @@ def check_averager_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
     if args.period == 0 and args.pace == "speed":
         parser.error("--pace speed needs --period N (a number): it paces averaging rounds")
-    if args.period == 0 and (
-        args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32" or args.fragments > 1
+    if (
+        args.period == 0
+        and (args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32" or args.fragments > 1)
+        or (args.period == 0 and args.density != 1)
     ):
-        parser.error("--overlap-steps, --outer, --comm-dtype and --fragments need --period N (averaging rounds)")
+        parser.error(
+            "--overlap-steps, --outer, --comm-dtype, --density and --fragments need --period N (averaging rounds)"
+        )
     if args.mixing == "progress" and not args.overlap_steps:
         parser.error("--mixing progress sets how overlapped rounds merge: it needs --overlap-steps")
     if args.mixing is None and args.fragments > 1 and args.overlap_steps:
@@ -192,13 +207,15 @@ def averager_options(args: argparse.Namespace, optimizers: Sequence[Any] = ()) -
 
     Plain blocking averaging also averages the ``optimizers``' state (Adam's moments), so a checkpoint written
     by rank 0 loses nothing; DiLoCo keeps it local, as DiLoCo does (its rounds send the parameters only), and
-    overlapped and streaming rounds cannot carry it.
+    overlapped, streaming and sparse rounds cannot carry it.
 
     Example::
 
         averager = Averager(fabric, model, **averager_options(args, [optimizer]))
     """
     import torch
+
+    from fabric_multimodel.averaging.config import AveragerConfig
 
     if not args.period:
         return {}
@@ -215,13 +232,17 @@ def averager_options(args: argparse.Namespace, optimizers: Sequence[Any] = ()) -
         options["comm_dtype"] = getattr(torch, args.comm_dtype)
     if args.error_feedback:
         options["error_feedback"] = True
+    if args.density != 1:
+        options["density"] = args.density
+    if args.error_decay != AveragerConfig.error_decay:
+        options["error_decay"] = args.error_decay
     if args.fragments > 1:
         options["fragments"] = args.fragments
     if args.pace != "steps":
         options["pace"] = args.pace
     if args.mixing not in (None, "progress"):
         options["mixing"] = args.mixing
-    if args.outer == "none" and not args.overlap_steps and args.fragments == 1:
+    if args.outer == "none" and not args.overlap_steps and args.fragments == 1 and args.density == 1:
         options["optimizers"] = list(optimizers)
     return options
 
