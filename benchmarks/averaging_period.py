@@ -135,7 +135,7 @@ def ring_settings(args: Any) -> list[Setting]:
 def lm_compare_settings(args: Any) -> list[Setting]:
     """``--compare lowbit``: DiLoCo 128's payload in fp32, fp8 and fp4, with and without error feedback;
     ``--compare sparse``: DiLoCo 128 in fp32 and fp4 beside sparse rounds (SparseLoCo: each chunk's top 1/16, 1/64,
-    1/256 with error feedback in place of the outer momentum; 1/64 also under DiLoCo's outer Nesterov);
+    1/256 with error feedback in place of the outer momentum) every 128 steps, and 1/64 and 1/256 every 16;
     ``--compare streaming``: blocking DiLoCo 128 beside streaming (4 fragments, overlap 16), with each merge rule."""
     w = args.warmup_steps
     base = averaging(128, w, *DILOCO)
@@ -144,12 +144,10 @@ def lm_compare_settings(args: Any) -> list[Setting]:
             Setting("diloco=128", "DiLoCo 128, fp32", base, "fp32"),
             Setting("diloco=128-fp4", "DiLoCo 128, fp4", (*base, "--comm-dtype", "float4_e2m1fn_x2"), "fp4"),
         ]
-        for density in ("1/16", "1/64", "1/256"):
-            flags = averaging(128, w, "--density", density)
-            out.append(
-                Setting(f"sparse=128-{density.replace('/', 'in')}", f"sparse 128, density {density}", flags, density)
-            )
-        out.append(Setting("diloco=128-1in64", "DiLoCo 128, density 1/64", (*base, "--density", "1/64"), "D 1/64"))
+        for period, density in ((128, "1/16"), (128, "1/64"), (128, "1/256"), (16, "1/64"), (16, "1/256")):
+            key = f"sparse={period}-{density.replace('/', 'in')}"
+            flags = averaging(period, w, "--density", density)
+            out.append(Setting(key, f"sparse {period}, density {density}", flags, f"{period} {density}"))
         return out
     if args.compare == "lowbit":
         out = [Setting("diloco=128", "DiLoCo 128, fp32", base, "fp32")]

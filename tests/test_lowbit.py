@@ -143,14 +143,14 @@ def test_a_lowbit_round_lands_within_the_quantization_bound(worlds, code):
         assert error <= 0.5 * c * (2 + c) * 0.06 + 1e-6, error
 
 
-def error_feedback_resume(fabric, code, split, extra):
+def resumed_bitwise(fabric, options, split, extra):
+    """Rounds of ``options``, a checkpoint after ``split`` steps and a ``sync()``, then ``extra`` steps, run on and
+    resumed from it: whether the checkpoint held a residual (what error feedback kept), and whether the two agree."""
+
     def build():
         torch.manual_seed(0)
         (m,) = setup_models(fabric, m=mlp(SIZES))
-        averager = Averager(
-            fabric, m, period=4, comm_dtype=getattr(torch, code), outer_optimizer=NESTEROV, error_feedback=True
-        )
-        return m, averager
+        return m, Averager(fabric, m, **options)
 
     def run(m, averager, start, stop, trace):
         for step in range(start, stop):
@@ -175,22 +175,25 @@ def error_feedback_resume(fabric, code, split, extra):
     return residual_kept, all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
 
 
+def error_feedback_resume(fabric, code, split, extra):
+    options = {"period": 4, "comm_dtype": getattr(torch, code), "outer_optimizer": NESTEROV, "error_feedback": True}
+    return resumed_bitwise(fabric, options, split, extra)
+
+
 @given(code=st.sampled_from(CODES), split=st.integers(2, 9), extra=st.integers(1, 9))
 def test_error_feedback_resumes_bitwise(worlds, code, split, extra):
     for residual_kept, same in worlds(2).run(error_feedback_resume, code, split, extra):
         assert residual_kept and same
 
 
-def regrouped_midway(fabric, code):
+def regrouped_midway(fabric, options):
     """Rounds with error feedback, the round moved halfway to a new group of the same ranks (what a membership's
     new epoch does) or not; the parameters after each, and whether a residual was kept by then."""
     results, kept = [], False
     for regroup in (False, True):
         torch.manual_seed(0)
         (m,) = setup_models(fabric, m=mlp(SIZES))
-        averager = Averager(
-            fabric, m, period=2, comm_dtype=getattr(torch, code), outer_optimizer=NESTEROV, error_feedback=True
-        )
+        averager = Averager(fabric, m, period=2, outer_optimizer=NESTEROV, **options)
         with averager:
             for step in range(1, 9):
                 local_update(fabric, m, step)
@@ -204,14 +207,16 @@ def regrouped_midway(fabric, code):
 
 @pytest.mark.parametrize("code", ["float8_e4m3fn", "float4_e2m1fn_x2"])
 def test_error_feedback_goes_on_in_a_new_group(worlds, code):
-    for kept, same in worlds(2).run(regrouped_midway, code):
+    for kept, same in worlds(2).run(regrouped_midway, {"comm_dtype": getattr(torch, code), "error_feedback": True}):
         assert kept and same
 
 
-def nan_on_one_rank(fabric, code):
+def nan_on_one_rank(fabric, options, sizes=SIZES):
+    """A NaN in rank 1's first weight before the second round: the error's names, whether the parameters are back
+    at the anchor, what error feedback kept after it (None without), and whether the ranks are in step."""
     torch.manual_seed(0)
-    (m,) = setup_models(fabric, m=mlp(SIZES))
-    averager = Averager(fabric, m, period=2, comm_dtype=getattr(torch, code), outer_optimizer=NESTEROV)
+    (m,) = setup_models(fabric, m=mlp(sizes))
+    averager = Averager(fabric, m, period=2, **options)
     anchor = [p.detach().clone() for p in m.parameters()]
     error = None
     try:
@@ -225,12 +230,13 @@ def nan_on_one_rank(fabric, code):
     except NonFiniteError as raised:
         error = raised.names
     back = all(torch.equal(p, a) for p, a in zip(m.parameters(), anchor))
-    return error, back, in_step()
+    return error, back, averager.state_dict().get("error_feedback"), in_step()
 
 
 @pytest.mark.parametrize("code", ["float8_e4m3fn", "float4_e2m1fn_x2"])
 def test_nan_on_one_rank_is_caught_on_every_rank_and_rolled_back(worlds, code):
-    for names, back_at_anchor, check in worlds(2).run(nan_on_one_rank, code):
+    options = {"comm_dtype": getattr(torch, code), "outer_optimizer": NESTEROV}
+    for names, back_at_anchor, _, check in worlds(2).run(nan_on_one_rank, options):
         assert names == ["0.weight"] and back_at_anchor and check == 2
 
 

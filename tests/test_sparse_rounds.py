@@ -8,7 +8,6 @@ with on every rank."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -16,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric_multimodel import Averager, NonFiniteError, Replica, replicas_in_sync, setup_models
+from fabric_multimodel import Averager, Replica, replicas_in_sync, setup_models
 from fabric_multimodel.comm import collectives
 from tests.gan import mlp
 from tests.test_local_checkpoints import two_nodes
-from tests.test_lowbit import NESTEROV, SIZES, local_update
+from tests.test_lowbit import NESTEROV, SIZES, local_update, nan_on_one_rank, regrouped_midway, resumed_bitwise
 from tests.test_sharded import sharded_and_islands
 from tests.worlds import errors_of, in_step
 
@@ -98,62 +97,16 @@ def test_a_round_at_density_one_sixty_fourth_sends_under_a_hundredth_of_fp32s_by
         assert ratio <= 1 / 100, ratio
 
 
-def resume(fabric, split, extra, decay):
-    def build():
-        torch.manual_seed(0)
-        (m,) = setup_models(fabric, m=mlp(SIZES))
-        return m, Averager(fabric, m, period=4, density=1 / 16, error_decay=decay)
-
-    def run(m, averager, start, stop, trace):
-        for step in range(start, stop):
-            local_update(fabric, m, step)
-            averager.step()
-            trace.append(torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()]))
-
-    m, averager = build()
-    uninterrupted: list = []
-    with averager:
-        run(m, averager, 0, split, [])
-        averager.sync()
-        saved = copy.deepcopy({"m": m.state_dict(), "averager": averager.state_dict()})
-        kept = any(r.abs().sum() > 0 for r in saved["averager"]["error_feedback"])
-        run(m, averager, split, split + extra, uninterrupted)
-    m, averager = build()
-    m.load_state_dict(saved["m"])
-    averager.load_state_dict(saved["averager"])
-    resumed: list = []
-    with averager:
-        run(m, averager, split, split + extra, resumed)
-    return kept, all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
-
-
 @settings(max_examples=8, deadline=None)
 @given(split=st.integers(2, 9), extra=st.integers(1, 9), decay=st.sampled_from([0.0, 0.95, 1.0]))
 def test_the_accumulator_is_checkpointed_and_resumes_bitwise(worlds, split, extra, decay):
-    for kept, same in worlds(2).run(resume, split, extra, decay):
+    options = {"period": 4, "density": 1 / 16, "error_decay": decay}
+    for kept, same in worlds(2).run(resumed_bitwise, options, split, extra):
         assert kept and same
 
 
-def regrouped_midway(fabric):
-    """Sparse rounds, moved halfway to a new group of the same ranks (a membership's new epoch) or not."""
-    results, kept = [], False
-    for regroup in (False, True):
-        torch.manual_seed(0)
-        (m,) = setup_models(fabric, m=mlp(SIZES))
-        averager = Averager(fabric, m, period=2, density=1 / 16, outer_optimizer=NESTEROV)
-        with averager:
-            for step in range(1, 9):
-                local_update(fabric, m, step)
-                averager.step()
-                if regroup and step == 4:
-                    kept = any(r.abs().sum() > 0 for r in averager.state_dict()["error_feedback"])
-                    averager._round.regroup(collectives.new_group([0, 1]))
-        results.append([p.detach().clone() for p in m.parameters()])
-    return kept, all(torch.equal(a, b) for a, b in zip(*results))
-
-
 def test_the_accumulator_goes_on_in_a_new_group(worlds):
-    for kept, same in worlds(2).run(regrouped_midway):
+    for kept, same in worlds(2).run(regrouped_midway, {"density": 1 / 16}):
         assert kept and same
 
 
@@ -185,30 +138,10 @@ def test_a_round_no_rank_made_progress_for_keeps_what_each_rank_kept(worlds, opt
         assert kept and unchanged and not moved
 
 
-def nan_on_one_rank(fabric):
-    torch.manual_seed(0)
-    (m,) = setup_models(fabric, m=mlp([128, 64, 2]))  # 0.weight: the first two chunks of 4096
-    averager = Averager(fabric, m, period=2, density=1 / 64)
-    anchor = [p.detach().clone() for p in m.parameters()]
-    error = None
-    try:
-        with averager:
-            local_update(fabric, m, 1)
-            averager.step()
-            if fabric.global_rank == 1:
-                with torch.no_grad():
-                    next(iter(m.parameters()))[0, 0] = float("nan")
-            averager.step()
-    except NonFiniteError as raised:
-        error = raised.names
-    back = all(torch.equal(p, a) for p, a in zip(m.parameters(), anchor))
-    residual = averager.state_dict()["error_feedback"][0]
-    return error, back, bool(residual.abs().sum() == 0), in_step()
-
-
 def test_nan_on_one_rank_is_caught_on_every_rank_named_and_rolled_back(worlds):
-    for names, back_at_anchor, cleared, check in worlds(2).run(nan_on_one_rank):
-        assert names == ["0.weight"] and back_at_anchor and cleared and check == 2
+    # 0.weight: the first two chunks of 4096 entries, whose NaN every rank reads in them alone
+    for names, back_at_anchor, kept, check in worlds(2).run(nan_on_one_rank, {"density": 1 / 64}, [128, 64, 2]):
+        assert names == ["0.weight"] and back_at_anchor and not kept[0].any() and check == 2
 
 
 def islands(fabric, fragments, overlap):

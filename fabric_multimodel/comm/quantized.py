@@ -29,7 +29,6 @@ The codes, their error bound and how non-finite values travel: :mod:`fabric_mult
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -42,7 +41,6 @@ from fabric_multimodel.comm.codec import (
     ceil_div,
     check_block,
     check_count,
-    check_tensor,
 )
 from fabric_multimodel.comm.collectives import (
     ProcessGroup,
@@ -50,8 +48,8 @@ from fabric_multimodel.comm.collectives import (
     check_member,
     group_rank,
     group_size,
-    wait_all,
 )
+from fabric_multimodel.comm.phased_mean import GATHERING, SENT, PhasedMean
 
 #: Elements quantized per batch of kernels unless ``chunk_elements`` says otherwise: on CPU, scratch that
 #: stays in cache (2**20 is up to 3x slower for E2M1); on other devices (GPUs), fewer kernel launches.
@@ -113,10 +111,7 @@ def _tiles(world: int, shard_blocks: int, full_blocks: int, block: int, capacity
     return tiles
 
 
-_IDLE, _SENT, _GATHERING = "idle", "sent", "gathering"
-
-
-class QuantizedMean:
+class QuantizedMean(PhasedMean):
     """The mean of a fixed-size fp32 payload across the ranks of ``group``, sent as block-quantized codes.
 
     Built once per payload size, code dtype (one of :data:`~fabric_multimodel.comm.codec.CODE_DTYPES`), block size,
@@ -201,10 +196,7 @@ class QuantizedMean:
         self._tiles = _tiles(world, self._shard_blocks, self._full_blocks, block, capacity)
         shard_blocks = self._shard_blocks
         self._own_tiles = [(lo, min(lo + capacity, shard_blocks)) for lo in range(0, shard_blocks, capacity)]
-        self._phase = _IDLE
-        #: Asked while a wait is unfinished: True ends it with an error (see collectives.wait_all).
-        self.abandon: Callable[[], bool] | None = None
-        self._handle: Any = None
+        super().__init__()
         self._payload: torch.Tensor | None = None
         self._exact_out: torch.Tensor | None = None
 
@@ -230,22 +222,6 @@ class QuantizedMean:
         if self._residual is not None:
             tensors.append(self._residual)
         return sum(t.numel() * t.element_size() for t in tensors)
-
-    @property
-    def pending(self) -> bool:
-        """True between :meth:`start` and :meth:`finish`."""
-        return self._phase != _IDLE
-
-    def all_reduce_mean(self, payload: torch.Tensor, exact: torch.Tensor | None = None) -> None:
-        """A whole round at once: ``payload`` <- the quantized mean, ``exact`` <- the exact sum.
-
-        Example::
-
-            mean.all_reduce_mean(delta, header)
-        """
-        self.start(payload, exact)
-        self.exchange()
-        self.finish()
 
     def start(self, payload: torch.Tensor, exact: torch.Tensor | None = None, *, carry: bool = True) -> None:
         """Quantize ``payload`` (and copy ``exact``) into the send buffer and launch the all-to-all.
@@ -278,15 +254,12 @@ class QuantizedMean:
         layout.exact(send).copy_(self._exact.view(self.world, -1))
         if self.world > 1:
             self._handle = collectives.all_to_all_messages(self._received, send, group=self.group, async_op=True)
-        self._payload, self._exact_out, self._phase = flat, exact_flat, _SENT
+        self._payload, self._exact_out, self._phase = flat, exact_flat, SENT
 
     def exchange(self) -> None:
         """Wait for the all-to-all, reduce this rank's shard (mean of the dequantized versions, quantized
         again; exact slices summed), and launch the all-gather."""
-        if self._phase != _SENT:
-            raise RuntimeError("QuantizedMean.exchange: no round was started; call start(payload, exact) first.")
-        handle, self._handle, self._phase = self._handle, None, _IDLE
-        wait_all([handle], self.abandon)
+        self._waited(SENT, "exchange")
         codec, layout, block = self._codec, self._layout, self.block_size
         codes, scales = layout.codes(self._received), layout.scales(self._received)
         mean_codes, mean_scales = layout.codes(self._mean), layout.scales(self._mean)
@@ -300,17 +273,14 @@ class QuantizedMean:
         torch.sum(layout.exact(self._received), dim=0, out=layout.exact(self._mean)[0])
         if self.world > 1:
             self._handle = collectives.all_gather_messages(self._send, self._mean, group=self.group, async_op=True)
-        self._phase = _GATHERING
+        self._phase = GATHERING
 
     def finish(self) -> None:
         """Wait for the all-gather and dequantize: the payload given to :meth:`start` <- the mean, and its
         ``exact`` <- the sum."""
-        if self._phase == _SENT:
+        if self._phase == SENT:
             self.exchange()
-        if self._phase != _GATHERING:
-            raise RuntimeError("QuantizedMean.finish: no round in flight; call start(payload, exact) first.")
-        handle, self._handle, self._phase = self._handle, None, _IDLE
-        wait_all([handle], self.abandon)
+        self._waited(GATHERING, "finish")
         flat, layout = self._payload, self._layout
         assert flat is not None
         codes, scales = layout.codes(self._gathered), layout.scales(self._gathered)
@@ -374,31 +344,3 @@ class QuantizedMean:
         else:
             region = self._tail[tile.start - boundary : tile.start - boundary + tile.size]
         return region.view(tile.shards.stop - tile.shards.start, tile.blocks.stop - tile.blocks.start, self.block_size)
-
-    def _check_round(
-        self, payload: torch.Tensor, exact: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        caller = "QuantizedMean.start"
-        if self._phase != _IDLE:
-            raise RuntimeError(f"{caller}: a round is in flight; finish() it first.")
-        check_tensor(payload, caller, "payload", self.numel, self.device, contiguous=True)
-        if self.exact_numel == 0:
-            if exact is not None and exact.numel():
-                raise ValueError(
-                    f"{caller}: `exact` has {exact.numel()} elements but this QuantizedMean was built with"
-                    " exact_numel=0; pass exact=None or build it with exact_numel."
-                )
-            return payload.view(-1), None
-        if exact is None:
-            raise ValueError(
-                f"{caller}: `exact` is required: this QuantizedMean was built with exact_numel={self.exact_numel};"
-                " pass a float32 tensor of that many elements."
-            )
-        check_tensor(exact, caller, "exact", self.exact_numel, self.device, contiguous=True)
-        return payload.view(-1), exact.view(-1)
-
-    def _check_between_rounds(self, name: str) -> None:
-        if self._phase != _IDLE:
-            raise RuntimeError(
-                f"QuantizedMean.{name}: a round is in flight (the residual is mid-update); finish() it first."
-            )

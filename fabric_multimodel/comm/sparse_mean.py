@@ -22,14 +22,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fabric_multimodel.comm import collectives
-from fabric_multimodel.comm.codec import check_count, check_tensor
-from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, check_member, group_rank, group_size, wait_all
+from fabric_multimodel.comm.codec import check_count
+from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, check_member, group_rank, group_size
+from fabric_multimodel.comm.phased_mean import GATHERING, SENT, PhasedMean
 from fabric_multimodel.comm.sparse import decode, encode, max_bytes, pack_bits, per_chunk, unpack_bits
 from fabric_multimodel.plan.payloads import SPARSE_CHUNK
 
@@ -42,10 +42,8 @@ _FP16_MAX = 65504.0
 #: The bytes of each rank's size in the first all-gather.
 _SIZE_BYTES = 8
 
-_IDLE, _SENT, _GATHERING = "idle", "sent", "gathering"
 
-
-class SparseMean:
+class SparseMean(PhasedMean):
     """The mean of a fixed-size fp32 payload across the ranks of ``group``, each rank sending the largest entries
     of each chunk of its payload plus what it did not send before.
 
@@ -99,10 +97,8 @@ class SparseMean:
         head = 4 * exact_numel
         self._traffic = Traffic() if self.world == 1 else self._sent(head + self._limit)
         self._sizes = torch.zeros(self.world, dtype=torch.int64, device=self.device)
-        self._phase, self._carry = _IDLE, True
-        #: Asked while a wait is unfinished: True ends it with an error (see collectives.wait_all).
-        self.abandon: Callable[[], bool] | None = None
-        self._handle: Any = None
+        super().__init__()
+        self._carry = True
         self._message = self._gathered = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._payload: torch.Tensor | None = None
         self._exact_out: torch.Tensor | None = None
@@ -111,22 +107,6 @@ class SparseMean:
     def traffic(self) -> Traffic:
         """What the last round sent from this rank: the elements it carries and the bytes that left this rank."""
         return self._traffic
-
-    @property
-    def pending(self) -> bool:
-        """True between :meth:`start` and :meth:`finish`."""
-        return self._phase != _IDLE
-
-    def all_reduce_mean(self, payload: torch.Tensor, exact: torch.Tensor | None = None) -> None:
-        """A whole round at once: ``payload`` <- the mean of what the ranks sent, ``exact`` <- the exact sum.
-
-        Example::
-
-            mean.all_reduce_mean(delta, header)
-        """
-        self.start(payload, exact)
-        self.exchange()
-        self.finish()
 
     def start(self, payload: torch.Tensor, exact: torch.Tensor | None = None, *, carry: bool = True) -> None:
         """Add the decayed accumulator to ``payload`` (which then holds the accumulator until :meth:`finish`, which
@@ -153,14 +133,11 @@ class SparseMean:
             self._handle = collectives.all_gather_single(self._sizes, size, group=self.group, async_op=True)
         else:
             self._sizes.fill_(self._message.numel())
-        self._phase = _SENT
+        self._phase = SENT
 
     def exchange(self) -> None:
         """Wait for the sizes, check them and launch the all-gather of the payloads (padded to the longest)."""
-        if self._phase != _SENT:
-            raise RuntimeError("SparseMean.exchange: no round was started; call start(payload, exact) first.")
-        handle, self._handle, self._phase = self._handle, None, _IDLE
-        wait_all([handle], self.abandon)
+        self._waited(SENT, "exchange")
         head, sizes = 4 * self.exact_numel, self._sizes.tolist()
         least, most = head + self._spoiled, head + self._limit
         if any(not least <= size <= most for size in sizes):  # the same sizes everywhere: all raise
@@ -176,17 +153,14 @@ class SparseMean:
             self._traffic = self._sent(longest)
         else:
             self._gathered = message
-        self._phase = _GATHERING
+        self._phase = GATHERING
 
     def finish(self) -> None:
         """Wait for the payloads and decode them: the payload given to :meth:`start` <- the mean of what every rank
         sent (NaN where a rank sent none), and its ``exact`` <- the exact sum."""
-        if self._phase == _SENT:
+        if self._phase == SENT:
             self.exchange()
-        if self._phase != _GATHERING:
-            raise RuntimeError("SparseMean.finish: no round in flight; call start(payload, exact) first.")
-        handle, self._handle, self._phase = self._handle, None, _IDLE
-        wait_all([handle], self.abandon)
+        self._waited(GATHERING, "finish")
         flat, exact_out, head = self._payload, self._exact_out, 4 * self.exact_numel
         assert flat is not None
         longest = self._gathered.numel() // self.world
@@ -254,23 +228,3 @@ class SparseMean:
     def _sent(self, longest: int) -> Traffic:
         """What a round sends from this rank when the longest payload has ``longest`` bytes."""
         return Traffic(self.numel + self.exact_numel, (self.world - 1) * (longest + _SIZE_BYTES))
-
-    def _check_round(
-        self, payload: torch.Tensor, exact: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        caller = "SparseMean.start"
-        if self._phase != _IDLE:
-            raise RuntimeError(f"{caller}: a round is in flight; finish() it first.")
-        check_tensor(payload, caller, "payload", self.numel, self.device, contiguous=True)
-        if self.exact_numel == 0:
-            if exact is not None and exact.numel():
-                raise ValueError(f"{caller}: `exact` has {exact.numel()} elements but exact_numel=0; pass None.")
-            return payload.view(-1), None
-        if exact is None:
-            raise ValueError(f"{caller}: `exact` is required: exact_numel={self.exact_numel}; pass a float32 tensor.")
-        check_tensor(exact, caller, "exact", self.exact_numel, self.device, contiguous=True)
-        return payload.view(-1), exact.view(-1)
-
-    def _check_between_rounds(self, name: str) -> None:
-        if self._phase != _IDLE:
-            raise RuntimeError(f"SparseMean.{name}: a round is in flight (the accumulator is mid-update); finish it.")
