@@ -3,11 +3,13 @@
 Run it on any stable host outside the training sites; it holds no training state, so the sites train on
 through a restart of any of them, the first one started included::
 
-    python -m fabric_multimodel.coordinator --port 29400
+    python -m fabric_multimodel.coordinator --port 29400 --status-port 8080   # the status page: http://127.0.0.1:8080/
 
 and give each site its address (:class:`~fabric_multimodel.Membership`, the examples'
 ``--coordinator HOST:29400``). It is torch's ``TCPStore`` server: the sites' agreements are keys written once
 with ``compare_set`` (see :mod:`fabric_multimodel.membership.membership`), and each epoch's process group meets there.
+``--status-port`` serves a run's status beside it (:mod:`fabric_multimodel.status`): who trains, who went silent, who
+waits, and each epoch's members; on 127.0.0.1 unless ``--status-host`` says otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import signal
 import sys
 import threading
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fabric_multimodel.status.server import StatusServer
 
 
 def serve(port: int, stop: threading.Event, ready: threading.Event | None = None) -> None:
@@ -42,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve the store through which the sites of a run agree on who trains together.",
     )
     parser.add_argument("--port", type=int, default=29400, help="the TCP port to listen on (default: %(default)s)")
+    parser.add_argument("--status-port", type=int, help="serve the run's status page (HTML and /status.json) here")
+    parser.add_argument("--status-host", default="127.0.0.1", help="the status page's address (default: %(default)s)")
+    parser.add_argument("--run", default="run", help="the run whose status the page shows (Membership's `run`)")
     args = parser.parse_args(argv)
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
@@ -54,10 +63,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"coordinator: could not listen on port {args.port}", file=sys.stderr)
             return 1
     print(f"coordinator: serving on port {args.port}; stop it with Ctrl-C or SIGTERM", flush=True)
+    page = None if args.status_port is None else status_page(args.port, args.run, args.status_host, args.status_port)
+    if page is not None:
+        print(f"coordinator: run {args.run}'s status on http://{args.status_host}:{page.port}/", flush=True)
     while not stop.wait(1.0):
         pass
+    if page is not None:
+        page.stop()
     print("coordinator: stopped", flush=True)
     return 0
+
+
+def status_page(port: int, run: str, host: str, status_port: int) -> StatusServer:
+    """The status page of ``run``, whose store this coordinator serves on ``port``, started on ``host:status_port``.
+
+    Example::
+
+        page = status_page(29400, "run", "127.0.0.1", 8080)
+    """
+    from fabric_multimodel.status.server import StatusServer
+    from fabric_multimodel.status.snapshot import StatusReader
+
+    reader = StatusReader.connect(f"127.0.0.1:{port}", run)
+    return StatusServer(reader, host=host, port=status_port).start()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""The operator's view (issue 69, first slice): the status a run's store holds, read by ``StatusReader`` and served
+by ``StatusServer`` (``python -m fabric_multimodel.coordinator --status-port``) as a page and ``/status.json``, with
+plain HTTP against a real coordinator and real memberships; hostile values in the store stay text."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fabric_multimodel import Membership
+from fabric_multimodel.run.launch import free_port
+from fabric_multimodel.status.page import render
+from fabric_multimodel.status.server import StatusServer
+from fabric_multimodel.status.snapshot import MAX_TEXT, StatusReader
+from tests.test_coordinator_loss import Coordinator
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def served() -> Iterator[Coordinator]:
+    """A coordinator in a thread of this process (``serve``, as the command runs it)."""
+    coordinator = Coordinator()
+    coordinator.start()
+    yield coordinator
+    coordinator.stop()
+
+
+def until(condition: Callable[[], Any], seconds: float = 30.0) -> Any:
+    deadline = time.monotonic() + seconds
+    while not (result := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return result
+
+
+def fetch(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+            return answer.status, dict(answer.headers), answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def status_of(port: int) -> dict[str, Any]:
+    code, headers, body = fetch(port, "/status.json")
+    assert code == 200 and headers["Content-Type"] == "application/json", (code, body)
+    return json.loads(body)
+
+
+def test_two_sites_are_members_on_the_page_and_one_that_stops_beating_goes_silent(served: Coordinator) -> None:
+    coordinator = served
+    run = "status-two"
+    a = Membership(coordinator.address, "a", run=run, timeout=5.0, heartbeat_s=0.1)
+    first = a.join()
+    b = Membership(coordinator.address, "b", run=run, timeout=5.0, heartbeat_s=0.1)
+    thread = threading.Thread(target=b.join, daemon=True)
+    thread.start()
+    boundary = iter(range(1, 10_000))
+    until(lambda: a.at_boundary(next(boundary)))
+    thread.join(timeout=30)
+    with StatusServer(StatusReader.connect(coordinator.address, run, stale_s=1.0), poll_s=0.1) as server:
+        status = until(lambda: (s := status_of(server.port))["members"] and len(s["members"]) == 2 and s)
+        assert [m["site"] for m in status["members"]] == ["a", "b"] and status["epoch"] == first.number + 1
+        assert [(e["epoch"], e["members"], e["joined"]) for e in status["history"]] == [
+            (1, ["a#1"], ["a#1"]),
+            (2, ["a#1", "b#2"], ["b#2"]),
+        ]
+        code, headers, page = fetch(server.port, "/")
+        assert code == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
+        assert "script-src" not in headers["Content-Security-Policy"] and "default-src 'none'" in headers[
+            "Content-Security-Policy"]  # fmt: skip
+        assert "<td>a</td><td>a#1</td>" in page.decode() and "<td>b</td><td>b#2</td>" in page.decode()
+        b.close()  # its heartbeat stands still, as a killed site's does
+        silent = until(lambda: (s := status_of(server.port))["silent"] and s, seconds=10)
+        assert [m["token"] for m in silent["members"]] == ["a#1"] and [m["token"] for m in silent["silent"]] == ["b#2"]
+        assert fetch(server.port, "/nothing")[0] == 404
+    a.close(finished=True)
+
+
+def test_hostile_values_in_the_store_stay_bounded_text_and_the_page_escapes_them(served: Coordinator) -> None:
+    coordinator = served
+    store = coordinator.store("hostile")
+    script = "<script>alert(1)</script>"
+    store.set("id", b"\xff\xfe" + b"x" * 10_000)
+    store.add("joins", 3)
+    store.set("join/1", script)
+    store.set("join/2", '"q\'uote"#2')
+    store.set("join/3", b"\xfe" * 10_000)
+    store.set("epoch/0/next", f'2|{script},"q\'uote"#2,{"y" * 10_000}')
+    store.set("epoch/1/next", b"\xff not a decision")
+    reader = StatusReader.connect(coordinator.address, "hostile")
+    status = reader.read()
+    assert status["totals"]["unreadable"] == 1 and status["epoch"] == 2 and status["members"] == []
+    texts = [status["run"], *status["history"][0]["members"], *status["waiting"]]
+    assert all(len(text) <= MAX_TEXT for text in texts) and script in texts
+    assert "\ufffd" in status["run"] and json.loads(json.dumps(status)) == status
+    page = render(status)
+    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "&quot;q&#x27;uote&quot;#2" in page
+    with StatusServer(reader, poll_s=0.1) as server:
+        until(lambda: fetch(server.port, "/status.json")[0] == 200)
+        assert "<script" not in fetch(server.port, "/")[2].decode()
+
+
+class Unanswered:
+    """A store every call to which fails, as a coordinator out of reach makes them."""
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Connection refused (a coordinator out of reach)")
+
+    def get(self, key: str) -> bytes:
+        return self.check([key]) and b""
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.check([key]))
+
+
+def test_until_the_store_answers_the_page_says_so_and_nothing_else(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="fabric_multimodel"), StatusServer(StatusReader(Unanswered())) as server:
+        until(lambda: caplog.records)
+        code, _, body = fetch(server.port, "/status.json")
+        assert code == 503 and b"no status read yet" in body
+        time.sleep(0.6)  # more failed reads: said once
+    assert sum("did not answer" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_coordinator_serves_its_runs_status() -> None:
+    port, page = free_port(), free_port()
+    command = [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", str(port), "--status-port", str(page)]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert f"status on http://127.0.0.1:{page}/" in lines[1], lines
+        site = Membership(f"127.0.0.1:{port}", "berlin", timeout=5.0, heartbeat_s=0.1)
+        site.join()
+        status = until(lambda: (s := status_of(page))["members"] and s)
+        assert [m["site"] for m in status["members"]] == ["berlin"] and status["run"]
+        site.close(finished=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
