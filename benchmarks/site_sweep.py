@@ -37,6 +37,7 @@ class SiteSetting(NamedTuple):
     islands: bool = False
     comm_dtype: str = "float32"  # what a round sends
     fragments: int = 1
+    density: float = 1.0  # below 1: sparse rounds
     links: tuple[str, ...] = ()  # the bandwidths it runs at (empty: all)
 
 
@@ -162,6 +163,18 @@ def lm_site_settings(steps: int, warmup: int, quick: bool) -> list[SiteSetting]:
             comm_dtype="float4_e2m1fn_x2",
             fragments=4,
         ),
+        # Sparse rounds (SparseLoCo): each fragment's top 1/64 per chunk; what a site has not sent stands in for the
+        # outer momentum, so no outer optimizer.
+        SiteSetting(
+            "streaming=128-sparse64",
+            "islands, streaming 128, density 1/64",
+            ("--period", "128", "--warmup-steps", str(warmup), *islands, *streaming, "--density", "1/64"),
+            hidden=16,
+            islands=True,
+            fragments=4,
+            density=1 / 64,
+            links=("none", "1mbit", "100kbit"),
+        ),
     ]
 
 
@@ -209,6 +222,7 @@ def predict_wall_s(
         setting.fragments,
         setting.hidden,
         setting.comm_dtype,
+        setting.density,
     )
     crosses = bool(period) and not setting.islands
     return run_seconds(planned, steps, rate_bits, warmup_steps=warmup, warmup_crosses=crosses)

@@ -18,8 +18,8 @@ from fabric_multimodel import Averager, Checkpointer, Loop, NodeGroups, node_gro
 from fabric_multimodel.checkpoints.files import CheckpointError, same_settings
 from fabric_multimodel.checkpoints.resume import restart_count
 from fabric_multimodel.checkpoints.sharded import ResumedSharded
+from fabric_multimodel.membership.epoch import RunEnded
 from fabric_multimodel.membership.link import CoordinatorLost
-from fabric_multimodel.membership.membership import RunEnded
 from fabric_multimodel.membership.names import site_of
 from fabric_multimodel.plan.payloads import PAYLOADS
 from fabric_multimodel.run import cli

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from fabric_multimodel.comm.node_groups import NodeGroups, node_groups
     from fabric_multimodel.ddp.frozen import frozen
     from fabric_multimodel.ddp.models import Models, ddp_of, setup_models
+    from fabric_multimodel.membership.epoch import Epoch, RunEnded
     from fabric_multimodel.membership.link import CoordinatorLost
-    from fabric_multimodel.membership.membership import Epoch, Membership, RunEnded
+    from fabric_multimodel.membership.membership import Membership
     from fabric_multimodel.rounds.errors import AveragingError, NonFiniteError, PeerError
     from fabric_multimodel.run.loop import Loop
     from fabric_multimodel.run.preemption import PreemptionStop
@@ -43,9 +44,9 @@ _HOMES = {
     "NodeGroups": "comm.node_groups",
     "node_groups": "comm.node_groups",
     "Loop": "run.loop",
-    "Epoch": "membership.membership",
+    "Epoch": "membership.epoch",
     "Membership": "membership.membership",
-    "RunEnded": "membership.membership",
+    "RunEnded": "membership.epoch",
     "CoordinatorLost": "membership.link",
     "Models": "ddp.models",
     "ddp_of": "ddp.models",

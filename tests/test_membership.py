@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from fabric_multimodel import Averager
 from fabric_multimodel.comm.collectives import POLL_S, wait_all
 from fabric_multimodel.membership.decisions import Decision
-from fabric_multimodel.membership.membership import NAMELESS, Membership, RunEnded
+from fabric_multimodel.membership.epoch import RunEnded
+from fabric_multimodel.membership.membership import NAMELESS, Membership
 from fabric_multimodel.membership.names import MAX_SITE_NAME, check_site_name, site_of
 from fabric_multimodel.membership.stores import coordinator_store
 from fabric_multimodel.run.launch import free_port, process_context

@@ -13,11 +13,16 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from fabric_multimodel import Membership
+from fabric_multimodel import Averager, Membership
+from fabric_multimodel.membership.figures import MAX_FIGURES, decode_figures, encode_figures
 from fabric_multimodel.run.launch import free_port
 from fabric_multimodel.status.page import render
 from fabric_multimodel.status.server import StatusServer
@@ -151,3 +156,51 @@ def test_the_coordinator_serves_its_runs_status() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@given(st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True), st.one_of(
+    st.integers(-(2**53), 2**53), st.floats(allow_nan=False, allow_infinity=False)), max_size=MAX_FIGURES))  # fmt: skip
+def test_figures_a_site_publishes_read_back_as_they_were(figures: dict[str, float]) -> None:
+    assert decode_figures(encode_figures(figures).encode()) == figures
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"<script>alert(1)</script>", b'{"step": "12"}', b'{"Step": 1}', b'{"step": NaN}', b"[1, 2]", b'{"a": {"b": 1}}',
+     b"\xff\xfe", b'{"step": 1, "pad": "' + b"x" * 2000 + b'"}', b'{"step": true}'],
+)  # fmt: skip
+def test_a_value_that_is_not_figures_is_refused(value: bytes) -> None:
+    assert decode_figures(value) is None
+
+
+def test_the_averager_publishes_its_figures_at_each_round_boundary(served: Coordinator) -> None:
+    membership = Membership(served.address, "a", run="figures", timeout=5.0, heartbeat_s=0.1)
+    averager = Averager(SimpleNamespace(device=torch.device("cpu")), torch.nn.Linear(4, 1), period=4,
+                        membership=membership)  # fmt: skip
+    reader = StatusReader.connect(served.address, "figures")
+    with averager:
+        for _ in range(9):
+            averager.step()
+        figures, rounds = reader.read()["members"][0]["figures"], averager.rounds
+    assert figures["step"] == 8 and figures["rounds"] == rounds == 2 and figures["bytes"] == 0  # one site: no peer
+    served.store("figures").set("status/a#1", b"<script>")  # what anyone reaching the port can write
+    assert reader.read()["members"][0]["figures"] == {} and reader.unreadable == 1
+    membership.close()
+
+
+def test_the_status_command_serves_any_coordinators_run_and_refuses_a_bad_address(served: Coordinator) -> None:
+    site = Membership(served.address, "lisbon", run="elsewhere", timeout=5.0, heartbeat_s=0.1)
+    site.join()
+    page = free_port()
+    command = [sys.executable, "-m", "fabric_multimodel.status", "--coordinator", served.address, "--run", "elsewhere",
+               "--port", str(page)]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None and f"on http://127.0.0.1:{page}/" in proc.stdout.readline()
+        assert [m["site"] for m in status_of(page)["members"]] == ["lisbon"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        site.close(finished=True)
+    bad = subprocess.run([*command[:4], "nowhere", *command[5:]], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--coordinator must be host:port" in bad.stderr.strip().splitlines()[-1]

@@ -13,7 +13,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "fabric_multimodel"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 #: Command-line modules: what they print is their output.
-COMMAND_LINES = {"coordinator.py", "plan/planner.py", "sites/cli.py", "sites/processes.py", "sites/run.py"}
+COMMAND_LINES = {
+    "coordinator.py",
+    "plan/planner.py",
+    "sites/cli.py",
+    "sites/processes.py",
+    "sites/run.py",
+    "status/__main__.py",
+}
 
 
 def _name(path: Path) -> str:

@@ -24,7 +24,8 @@ from fabric_multimodel.averaging.driver import Driver
 from fabric_multimodel.averaging.pacing import Pace, gather_pace, paced
 from fabric_multimodel.comm.collectives import Traffic, all_gather_single, broadcast_differences, group_rank, group_size
 from fabric_multimodel.comm.relay import post_bytes, relay_bytes
-from fabric_multimodel.membership.membership import Epoch, Membership
+from fabric_multimodel.membership.epoch import Epoch
+from fabric_multimodel.membership.membership import Membership
 from fabric_multimodel.rounds.errors import PeerError
 from fabric_multimodel.rounds.round import Round
 
@@ -84,8 +85,17 @@ class Epochs:
                 self.recover()
 
     def at_boundary(self) -> None:
-        """A round finished and none is in flight: admit the sites that are waiting, if any (one store call)."""
+        """A round finished and none is in flight: publish this site's figures for the status page (one small write,
+        on process 0) and admit the sites that are waiting, if any (one store call)."""
         start, averager = time.perf_counter(), self.averager
+        self.membership.publish(
+            {
+                "step": averager.steps,
+                "rounds": averager.rounds,
+                "bytes": averager.traffic.bytes,
+                "wait_s": round(self.wait_s, 2),
+            }
+        )
         epoch = self.membership.at_boundary(averager.rounds)
         if epoch is not None:
             self.enter(epoch)

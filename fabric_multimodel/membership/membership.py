@@ -21,8 +21,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -30,8 +29,10 @@ import torch.distributed as dist
 
 from fabric_multimodel.comm.collectives import standalone_group
 from fabric_multimodel.membership.decisions import Decision, put_back
+from fabric_multimodel.membership.epoch import Epoch, RunEnded
+from fabric_multimodel.membership.figures import encode_figures
 from fabric_multimodel.membership.link import CoordinatorLink, Unreachable
-from fabric_multimodel.membership.names import check_site_name, site_of
+from fabric_multimodel.membership.names import check_site_name
 from fabric_multimodel.membership.stores import check_coordinator
 
 _log = logging.getLogger(__name__)
@@ -44,48 +45,6 @@ GONE = "gone"
 #: What ``join/<n>`` holds for a registration whose site wrote no name within ``3 * heartbeat_s`` of being seen (it
 #: died between taking its number and writing its name): passed over. No site's name can be it.
 NAMELESS = "-"
-
-
-class RunEnded(RuntimeError):
-    """The run's members finished (:meth:`Membership.close` with ``finished=True``) before this site was admitted: a
-    site that started too late has nothing to join.
-
-    Example::
-
-        averager = Averager(fabric, model, period=128, membership=membership)
-        try:
-            averager.join()  # or the with block does
-        except RunEnded:
-            print("the run is over")
-    """
-
-
-@dataclass(frozen=True)
-class Epoch:
-    """One membership of the run: its number, its members in rank order, this process's rank and their group.
-
-    Example::
-
-        epoch = membership.join()
-        print(f"epoch {epoch.number}: sites {epoch.sites}, I am rank {epoch.rank}")
-        dist.all_reduce(tensor, group=epoch.group)
-    """
-
-    number: int
-    #: The members' tokens, ``<site>#<registration>``, in rank order.
-    members: tuple[str, ...]
-    rank: int
-    #: The epoch's process group (None only while it is being made).
-    group: dist.ProcessGroup | None = field(repr=False, compare=False)
-    #: The members that were not in the previous epoch (all of them in the first).
-    joined: tuple[str, ...] = ()
-    #: The previous epoch's members that are not in this one.
-    left: tuple[str, ...] = ()
-
-    @property
-    def sites(self) -> tuple[str, ...]:
-        """The members' site names, in rank order."""
-        return tuple(site_of(token) for token in self.members)
 
 
 class Membership:
@@ -358,6 +317,23 @@ class Membership:
         result = self._change(epoch, taken)
         self.waited_s += time.perf_counter() - start
         return result
+
+    def publish(self, figures: Mapping[str, float]) -> None:
+        """This site's figures for the run's status page (:mod:`fabric_multimodel.status`), as of now: its process 0
+        writes them, one small value, no collective; nothing while the coordinator is away. A ValueError for figures
+        that are not a few finite numbers (:func:`~fabric_multimodel.membership.figures.encode_figures`).
+
+        Example::
+
+            membership.publish({"step": averager.steps, "rounds": averager.rounds})
+        """
+        text = encode_figures(figures)
+        if self.local_rank != 0 or self.token is None or self._store.lost:
+            return
+        try:
+            self._store.set(f"status/{self.token}", text)
+        except Unreachable:  # said by the link; the next boundary publishes again
+            pass
 
     def _decide(self, epoch: Epoch, decision: Decision, index: int) -> Decision | None:
         """Round ``index``'s decision: None to keep the epoch, else the next one."""

@@ -73,19 +73,29 @@ def render(status: dict[str, Any], refresh_s: float = 2.0) -> str:
 
 def _members(status: dict[str, Any]) -> str:
     rows = ["<h2>Members</h2><table id='members'><tr><th>site</th><th>token</th><th>epoch</th>"
-            "<th>heartbeat</th></tr>"]  # fmt: skip
+            "<th>heartbeat</th><th>step</th><th>rounds</th><th>bytes sent</th><th>membership s</th></tr>"]  # fmt: skip
     for kind in ("members", "silent"):
         for m in status[kind]:
             age = "-" if m["heartbeat_s"] is None else f"{m['heartbeat_s']:g} s ago"
             css = " class='silent'" if kind == "silent" else ""
             rows.append(
                 f"<tr{css}><td>{escape(m['site'])}</td><td>{escape(m['token'])}</td><td>{m['epoch']}</td>"
-                f"<td>{escape(age)}{' (silent)' if kind == 'silent' else ''}</td></tr>"
+                f"<td>{escape(age)}{' (silent)' if kind == 'silent' else ''}</td>{_figures(m['figures'])}</tr>"
             )
     rows.append("</table>")
     if status["waiting"]:
         rows.append("<p>Waiting to be admitted: " + ", ".join(escape(t) for t in status["waiting"]) + "</p>")
     return "\n".join(rows)
+
+
+def _figures(figures: dict[str, float]) -> str:
+    """A member's published figures as cells (``-`` for one it has not published)."""
+    cells = []
+    for name in ("step", "rounds", "bytes", "wait_s"):
+        value = figures.get(name)
+        cells.append("-" if value is None else f"{value:,.2f}".rstrip("0").rstrip(".") if name == "wait_s" else
+                     f"{value:,.0f}")  # fmt: skip
+    return "".join(f"<td>{escape(cell)}</td>" for cell in cells)
 
 
 def _timeline(history: list[dict[str, Any]]) -> str:

@@ -33,6 +33,7 @@ class StatusServer:
     def __init__(self, reader: StatusReader, *, host: str = "127.0.0.1", port: int = 0, poll_s: float = 0.5) -> None:
         self.reader, self.poll_s = reader, poll_s
         self._status: dict[str, Any] | None = None
+        self._failing = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._http = ThreadingHTTPServer((host, port), _handler(self))
@@ -50,7 +51,8 @@ class StatusServer:
             return self._status
 
     def start(self) -> StatusServer:
-        """Start reading and serving; returns this server."""
+        """Read once, then start reading every ``poll_s`` and serving; returns this server."""
+        self._read()
         for thread in self._threads:
             thread.start()
         _log.info("status page on http://%s:%d/", self.host, self.port)
@@ -71,19 +73,20 @@ class StatusServer:
         self.stop()
 
     def _poll(self) -> None:
-        failing = False
-        while not self._stop.is_set():
-            try:
-                status = self.reader.read()
-            except Exception as error:  # the store is out of reach: the last status stays, said once
-                if not failing:
-                    _log.warning("status: the run's store did not answer (%s); showing the last read", error)
-                failing = True
-            else:
-                failing = False
-                with self._lock:
-                    self._status = status
-            self._stop.wait(self.poll_s)
+        while not self._stop.wait(self.poll_s):
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            status = self.reader.read()
+        except Exception as error:  # the store is out of reach: the last status stays, said once
+            if not self._failing:
+                _log.warning("status: the run's store did not answer (%s); showing the last read", error)
+            self._failing = True
+        else:
+            self._failing = False
+            with self._lock:
+                self._status = status
 
 
 def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:

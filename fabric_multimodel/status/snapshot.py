@@ -1,11 +1,12 @@
 """What a live run's store says of it, for an operator: :class:`StatusReader` reads the epochs' decisions, the
 heartbeats and the registrations that wait, and returns one plain dict (the status page's JSON).
 
-Everything in the store was written by a process that reached the coordinator's port, so it is untrusted here: a
-value that does not decode is counted and skipped, every name is cut to :data:`MAX_TEXT` characters, the lists are
-bounded, and a read scans at most :data:`MAX_NEW_EPOCHS` new epochs. Decisions are written once, so each is read
-once; heartbeats are counters the reader looks at on every read: a member whose count stood still for ``stale_s``
-seconds is listed under ``silent``, not ``members``.
+Each member's figures (step, rounds, bytes sent, seconds spent on membership changes) are what its process 0 last
+published at a round boundary. Everything in the store was written by a process that reached the coordinator's
+port, so it is untrusted here: a value that does not decode is counted and skipped, every name is cut to
+:data:`MAX_TEXT` characters, the lists are bounded, and a read scans at most :data:`MAX_NEW_EPOCHS` new epochs.
+Decisions are written once, so each is read once; heartbeats are counters the reader looks at on every read: a
+member whose count stood still for ``stale_s`` seconds is listed under ``silent``, not ``members``.
 
 Example::
 
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fabric_multimodel.membership.decisions import Decision
+from fabric_multimodel.membership.figures import decode_figures
 from fabric_multimodel.membership.membership import NAMELESS
 from fabric_multimodel.membership.names import site_of
 
@@ -104,6 +106,7 @@ class StatusReader:
         for token in current["members"]:
             age = self._heartbeat_age(token, now)
             row = {"site": shown(site_of(token)), "token": token, "epoch": current["epoch"], "heartbeat_s": age}
+            row["figures"] = self._figures(token)
             (members if age is None or age < self.stale_s else silent).append(row)
         return {
             "run": shown(self._get("id") or b""),
@@ -158,6 +161,17 @@ class StatusReader:
             self._beats[token] = (count, now)
             return 0.0
         return round(now - last[1], 1)
+
+    def _figures(self, token: str) -> dict[str, float]:
+        """What the member last published (:meth:`~fabric_multimodel.Membership.publish`): its step, rounds, ...;
+        empty before it did, or when the value is not figures (then counted as unreadable)."""
+        value = self._get(f"status/{token}")
+        if value is None:
+            return {}
+        figures = decode_figures(value)
+        if figures is None:
+            self.unreadable += 1
+        return figures or {}
 
     def _waiting(self) -> list[str]:
         """The newest registrations no epoch has held yet and none has turned away: they wait to be admitted."""
