@@ -368,8 +368,9 @@ def test_link_rate_quick(tmp_path):
     (table,) = markdown_tables(stdout)
     rows = {row["payload"]: row for row in read_csv(tmp_path / "link_rate.csv")}
     raw = ["fp8 bytes, one way", "fp8 bytes, both ways"]
-    assert list(rows) == ["fp32", "bf16", "fp8", "fp4", "fp8, gloo collectives", *raw]
+    assert list(rows) == ["fp32", "bf16", "fp8", "fp4", "sparse 1/64", "fp8, gloo collectives", *raw]
     sent = {name: int(row["sent_bytes"]) for name, row in rows.items()}
+    assert 0 < sent["sparse 1/64"] < sent["fp32"] / 100  # its payload and size to the one other site
     assert sent["fp8 bytes, both ways"] == sent["fp8 bytes, one way"]
     assert sent["fp32"] == 4 * 20_000 and sent["bf16"] == 2 * 20_000  # 2 sites: a ring sends the payload once
     assert sent["fp8"] == sent["fp8, gloo collectives"] == sent["fp8 bytes, one way"] < 0.27 * sent["fp32"]
