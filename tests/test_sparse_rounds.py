@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -162,6 +163,36 @@ def test_fsdp2_sites_send_their_shards_sparse_and_stay_in_sync(worlds, fragments
     options = {"period": 4, "warmup_steps": 1, "fragments": fragments, "overlap_steps": overlap, "density": 1 / 16}
     for checks, _, sent in worlds(4).run(sharded_and_islands, options, 11):
         assert checks and all(checks) and sent["sharded"] > 0  # each shard equals the other site's after rounds
+
+
+def first_round_after_apart(fabric, options):
+    """Two nodes of two (DDP inside, rounds across), a warm-up in which the nodes train apart, and the first round
+    across them (step 6): the parameters right after it."""
+    nodes, across = [dist.new_group([0, 1]), dist.new_group([2, 3])], [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    node, peers = nodes[fabric.global_rank // 2], across[fabric.global_rank % 2]
+    torch.manual_seed(0)
+    (model,) = setup_models(fabric, m=mlp([3, 2048, 2]), process_group=node)  # 12,290 parameters: 3 chunks a slice
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    averager = Averager(fabric, model, process_group=peers, period=4, warmup_steps=2, **options)
+    with averager:
+        for step in range(1, 7):
+            x = torch.randn(6, 3, generator=torch.Generator().manual_seed(100 * step + fabric.global_rank))
+            fabric.backward(model(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            averager.step()
+        after = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    return after, averager.state_dict()["error_feedback"] if "density" in options else None
+
+
+def test_the_first_round_across_replicas_that_trained_apart_is_a_plain_dense_mean(worlds):
+    """Its payload is the parameters themselves, which set the anchor: sparse, it would keep a few of each chunk
+    and zero the rest. It is the plain mean a dense round takes, and leaves the accumulators empty."""
+    dense = worlds(4).run(first_round_after_apart, {})
+    sparse = worlds(4).run(first_round_after_apart, {"density": 1 / 64, "outer_optimizer": NESTEROV})
+    for (plain, _), (after, kept) in zip(dense, sparse):
+        torch.testing.assert_close(after, plain, rtol=1e-6, atol=1e-6)
+        assert all(not residual.any() for residual in kept)
 
 
 def bad_sparse(fabric):

@@ -75,6 +75,7 @@ class DeltaRound(Round):
         self.fresh: set[int] = set()
         self._first: int | None = None  # the part of the round in flight when it is that part's first
         self._progress = True  # whether this rank made progress for the round in flight
+        self._index = 0  # the part of the round in flight
         self.anchor = self.storage.mirror()
         self.snapshot = self.storage.mirror() if overlap else []
         # Per storage buffer, where its parameters end and its buffers (anchored at zero) begin.
@@ -109,9 +110,17 @@ class DeltaRound(Round):
         super().regroup(group, abandon, agree)
         for transport, before in zip(self._transports, previous):
             transport.mean.keep_residual(before.mean)
+        # A part's first round across replicas that trained apart sends the parameters themselves for a plain mean
+        # that sets the anchor: summed as they are, never encoded (a sparse one would keep a few entries of each).
+        summed = super()._transport
+        self._plain = [summed(part, *layout) for part, layout in zip(self.parts, self._layouts)]
+
+    def _carrier_of(self, part: int) -> Any:
+        return self._plain[part] if self.encoding is not None and self._first == part else super()._carrier_of(part)
 
     def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
         self._progress = stamp.progress  # what an encoded mean kept is sent only with progress (EncodedTransport)
+        self._index = part
         self._first = part if part in self.fresh else None
         if self._first is not None:  # no anchor shared yet: send the parameters themselves, for a plain mean
             self._clear_anchor(self.parts[part])
@@ -212,7 +221,7 @@ class DeltaRound(Round):
         for x, anchor in zip(self.part.data, self.part.of(self.anchor)):
             x.copy_(anchor)
         if self._error_feedback:  # what it kept came from the values that were rolled back
-            self._carrier.mean.clear_residual()
+            self._transports[self._index].mean.clear_residual()
         return (
             "the parameters are back at the anchor (the last averaged state; buffers that were never averaged"
             " are zero), identical on every rank"

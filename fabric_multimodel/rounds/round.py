@@ -172,6 +172,10 @@ class Round:
         inner = SumTransport([t for t in mine if t.numel()], self.group, self.world, self._abandon)
         return NodeSlices(self._agreed(inner), payload, self.node_group)
 
+    def _carrier_of(self, part: int) -> Any:
+        """The transport that carries the next round of ``parts[part]``."""
+        return self._transports[part]
+
     def _agreed(self, transport: Any) -> Any:
         """``transport``, agreed by the node's processes before its result is used (see :meth:`regroup`)."""
         return transport if self._agree is None else Agreed(transport, self._agree)
@@ -229,7 +233,7 @@ class Round:
         self._blocking, self._outer, self._label = blocking or not self.overlap, outer, label
         self.part = self.parts[part]
         self._payload, self._head = self._layouts[part]
-        self._carrier = self._transports[part]
+        self._carrier = self._carrier_of(part)
         self._fill()
         if self.scale != 1.0:
             for region in self._regions():
