@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-host", default="127.0.0.1", help="the status page's address (default: %(default)s)")
     parser.add_argument("--run", default="run", help="the run whose status the page shows (Membership's `run`)")
     args = parser.parse_args(argv)
-    stop = threading.Event()
+    stop, closed = threading.Event(), threading.Event()  # a signal; then the store, once the page stopped reading it
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
     ready = threading.Event()
-    server = threading.Thread(target=serve, args=(args.port, stop, ready), daemon=True)
+    server = threading.Thread(target=serve, args=(args.port, closed, ready), daemon=True)
     server.start()
     while not ready.wait(0.1):
         if not server.is_alive():
@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if page is not None:
         page.stop()
+    closed.set()
+    server.join(timeout=10)
     print("coordinator: stopped", flush=True)
     return 0
 

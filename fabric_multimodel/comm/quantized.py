@@ -147,6 +147,9 @@ class QuantizedMean(PhasedMean):
         mean.finish()               # delta and header now hold the mean and the exact sum
     """
 
+    #: A plain mean of parameters may cross quantized (each block keeps its scale).
+    carries_parameters = True
+
     def __init__(
         self,
         numel: int,

@@ -69,6 +69,9 @@ class SparseMean(PhasedMean):
         mean.finish()               # delta and header now hold the mean and the exact sum
     """
 
+    #: A plain mean of parameters must not cross sparse: it would keep a few of each chunk and zero the rest.
+    carries_parameters = False
+
     def __init__(
         self,
         numel: int,

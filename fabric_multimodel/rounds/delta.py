@@ -111,12 +111,15 @@ class DeltaRound(Round):
         for transport, before in zip(self._transports, previous):
             transport.mean.keep_residual(before.mean)
         # A part's first round across replicas that trained apart sends the parameters themselves for a plain mean
-        # that sets the anchor: summed as they are, never encoded (a sparse one would keep a few entries of each).
+        # that sets the anchor: summed as they are where the encoding cannot carry them (a sparse one).
         summed = super()._transport
         self._plain = [summed(part, *layout) for part, layout in zip(self.parts, self._layouts)]
 
     def _carrier_of(self, part: int) -> Any:
-        return self._plain[part] if self.encoding is not None and self._first == part else super()._carrier_of(part)
+        carrier = super()._carrier_of(part)
+        if self.encoding is not None and self._first == part and not carrier.mean.carries_parameters:
+            return self._plain[part]
+        return carrier
 
     def launch(self, stamp: Stamp, *, label: str, blocking: bool, outer: bool = True, part: int = 0) -> None:
         self._progress = stamp.progress  # what an encoded mean kept is sent only with progress (EncodedTransport)

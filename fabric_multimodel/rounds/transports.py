@@ -22,6 +22,9 @@ class EncodedMean(Protocol):
     what it keeps of this rank's payload between rounds (error feedback)."""
 
     abandon: Callable[[], bool] | None
+    #: Whether a plain mean of the parameters themselves may cross through it (a quantized code keeps each block's
+    #: scale; a sparse one would keep a few entries of each chunk and zero the rest).
+    carries_parameters: bool
 
     @property
     def traffic(self) -> Traffic: ...
