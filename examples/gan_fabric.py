@@ -269,6 +269,8 @@ def train(args: argparse.Namespace) -> int | None:
                 memory = max(memory, state_bytes([gen, disc], [opt_g, opt_d], averager))
             opt_g.zero_grad()
             if averager is not None:
+                if averager.membership is not None:  # the status page's figures, read at the next boundary
+                    averager.membership.report(d_loss=d_loss, g_loss=g_loss)
                 averager.step()
                 epoch_seen = report_membership(fabric, averager, epoch_seen)
                 if step == args.warmup_steps:

@@ -482,6 +482,8 @@ def train(args: argparse.Namespace) -> int | None:
                 memory = state_bytes([model], [optimizer], averager)
             optimizer.zero_grad()
             if averager is not None:
+                if averager.membership is not None:  # the status page's loss column, read at the next boundary
+                    averager.membership.report(loss=loss)
                 averager.step()
                 epoch_seen = report_membership(fabric, averager, epoch_seen)
                 if step == args.warmup_steps:

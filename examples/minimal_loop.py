@@ -70,9 +70,12 @@ def main() -> int:
             if averager.steps > state["step"]:
                 fabric.print(f"joined the run at step {averager.steps}")
             for step in loop:
-                fabric.backward(loss_of(model, step, fabric.global_rank, fabric.device))
+                loss = loss_of(model, step, fabric.global_rank, fabric.device)
+                fabric.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+                if membership is not None:
+                    membership.report(loss=loss)  # the status page's loss column (read at the next round)
                 averager.step()
     except RunEnded as error:  # it started after the run's last round
         fabric.print(f"run ended: {error}")

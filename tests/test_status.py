@@ -5,6 +5,7 @@ plain HTTP against a real coordinator and real memberships; hostile values in th
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -90,6 +91,16 @@ def test_two_sites_are_members_on_the_page_and_one_that_stops_beating_goes_silen
         silent = until(lambda: (s := status_of(server.port))["silent"] and s, seconds=10)
         assert [m["token"] for m in silent["members"]] == ["a#1"] and [m["token"] for m in silent["silent"]] == ["b#2"]
         assert fetch(server.port, "/nothing")[0] == 404
+        store = coordinator.store(run)  # a site that died between registering and its first heartbeat
+        store.set(f"join/{store.add('joins', 1)}", "c#3")
+        a.at_boundary(next(boundary))  # a looks at it first ...
+        time.sleep(4 * a.heartbeat_s)
+        a.recover()  # ... and after a round failed, a goes on alone: b lost, c passed over
+        status = until(lambda: (s := status_of(server.port))["epoch"] == first.number + 2 and s)
+        assert status["history"][-1]["left"] == ["b#2"] and status["history"][-1]["after_loss"]
+        assert not status["history"][-2]["after_loss"] and status["passed_over"] == ["c#3"] and not status["waiting"]
+        page = fetch(server.port, "/")[2].decode()
+        assert "left b#2 (lost: a round failed and the others went on)" in page and "<p id='passed_over'>" in page
     a.close(finished=True)
 
 
@@ -159,9 +170,12 @@ def test_the_coordinator_serves_its_runs_status() -> None:
 
 
 @given(st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,31}", fullmatch=True), st.one_of(
-    st.integers(-(2**53), 2**53), st.floats(allow_nan=False, allow_infinity=False)), max_size=MAX_FIGURES))  # fmt: skip
-def test_figures_a_site_publishes_read_back_as_they_were(figures: dict[str, float]) -> None:
-    assert decode_figures(encode_figures(figures).encode()) == figures
+    st.integers(-(2**53), 2**53), st.floats(), st.none()), max_size=MAX_FIGURES))  # fmt: skip
+def test_figures_a_site_publishes_read_back_as_they_were_and_one_not_finite_as_null(
+    figures: dict[str, float | None],
+) -> None:
+    finite = {k: v if v is None or math.isfinite(v) else None for k, v in figures.items()}
+    assert decode_figures(encode_figures(figures).encode()) == finite
 
 
 @pytest.mark.parametrize(
@@ -173,18 +187,44 @@ def test_a_value_that_is_not_figures_is_refused(value: bytes) -> None:
     assert decode_figures(value) is None
 
 
-def test_the_averager_publishes_its_figures_at_each_round_boundary(served: Coordinator) -> None:
+def test_the_averager_publishes_its_figures_at_each_round_boundary_with_the_loss_a_site_reports(
+    served: Coordinator,
+) -> None:
     membership = Membership(served.address, "a", run="figures", timeout=5.0, heartbeat_s=0.1)
     averager = Averager(SimpleNamespace(device=torch.device("cpu")), torch.nn.Linear(4, 1), period=4,
                         membership=membership)  # fmt: skip
     reader = StatusReader.connect(served.address, "figures")
+    losses = iter([0.5, 0.25])
     with averager:
-        for _ in range(9):
+        for step in range(1, 10):
+            membership.report(loss=torch.tensor(next(losses) if step % 4 == 0 else 9.0, requires_grad=True))
             averager.step()
+            if step == 4:
+                assert reader.read()["members"][0]["figures"]["loss"] == 0.5
         figures, rounds = reader.read()["members"][0]["figures"], averager.rounds
-    assert figures["step"] == 8 and figures["rounds"] == rounds == 2 and figures["bytes"] == 0  # one site: no peer
+    assert figures.pop("wait_s") >= 0 and figures == {"step": 8, "rounds": rounds, "bytes": 0, "loss": 0.25}
+    assert rounds == 2  # one site: no peer, no bytes
+    membership.report(loss=math.inf, accuracy=0.75)  # published at the next boundary, as anything reported is
+    membership.publish({"step": 9})
+    status = reader.read()
+    assert status["members"][0]["figures"] == {"step": 9, "loss": None, "accuracy": 0.75}
+    assert "<td>9</td><td>-</td><td>-</td><td>-</td><td>not finite</td><td>accuracy=0.75</td>" in render(status)
     served.store("figures").set("status/a#1", b"<script>")  # what anyone reaching the port can write
     assert reader.read()["members"][0]["figures"] == {} and reader.unreadable == 1
+    membership.close()
+
+
+@pytest.mark.parametrize(
+    ("figures", "message"),
+    [({"Loss": 1.0}, "lower-case"), ({"loss": torch.ones(2)}, "one-element tensor"), ({"loss": "0.5"}, "number"),
+     ({f"f{i}": 1.0 for i in range(9)}, "at most 8 figures")],
+)  # fmt: skip
+def test_a_figure_a_site_cannot_report_is_an_error_at_once(
+    served: Coordinator, figures: dict[str, Any], message: str
+) -> None:
+    membership = Membership(served.address, "a", run="bad-figures", timeout=5.0)
+    with pytest.raises(ValueError, match=message):
+        membership.report(**figures)
     membership.close()
 
 

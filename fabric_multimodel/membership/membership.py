@@ -30,7 +30,7 @@ import torch.distributed as dist
 from fabric_multimodel.comm.collectives import standalone_group
 from fabric_multimodel.membership.decisions import Decision, put_back
 from fabric_multimodel.membership.epoch import Epoch, RunEnded
-from fabric_multimodel.membership.figures import encode_figures
+from fabric_multimodel.membership.figures import check_reported, encode_figures
 from fabric_multimodel.membership.link import CoordinatorLink, Unreachable
 from fabric_multimodel.membership.names import check_site_name
 from fabric_multimodel.membership.stores import check_coordinator
@@ -138,6 +138,7 @@ class Membership:
         self._registrants: dict[str, tuple[int, float]] = {}
         #: Registrations this process found with no name yet, and when (see _name_of).
         self._nameless: dict[int, float] = {}
+        self._reported: dict[str, float | torch.Tensor] = {}  # see report
 
     # --- registration and admission ---------------------------------------------------------------
 
@@ -318,18 +319,34 @@ class Membership:
         self.waited_s += time.perf_counter() - start
         return result
 
+    def report(self, **figures: float | torch.Tensor) -> None:
+        """Figures of this site's own for the status page, beside the ones the library publishes (its step, rounds,
+        bytes): the last value of each goes with the next :meth:`publish`, at a round boundary. A tensor is kept
+        as it is and read there, so reporting a loss every step costs no device sync.
+
+        Example::
+
+            loss = loss_fn(model(x), y)
+            membership.report(loss=loss)
+        """
+        for name, value in figures.items():
+            check_reported(name, value, len(self._reported | figures))
+            self._reported[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
     def publish(self, figures: Mapping[str, float]) -> None:
-        """This site's figures for the run's status page (:mod:`fabric_multimodel.status`), as of now: its process 0
-        writes them, one small value, no collective; nothing while the coordinator is away. A ValueError for figures
-        that are not a few finite numbers (:func:`~fabric_multimodel.membership.figures.encode_figures`).
+        """This site's figures for the run's status page (:mod:`fabric_multimodel.status`), as of now, with what it
+        last :meth:`report`-ed: its process 0 writes them, one small value, no collective; nothing while the
+        coordinator is away. A ValueError for figures that are not a few numbers
+        (:func:`~fabric_multimodel.membership.figures.encode_figures`).
 
         Example::
 
             membership.publish({"step": averager.steps, "rounds": averager.rounds})
         """
-        text = encode_figures(figures)
         if self.local_rank != 0 or self.token is None or self._store.lost:
             return
+        reported = {name: float(value) for name, value in self._reported.items()}
+        text = encode_figures({**reported, **figures})
         try:
             self._store.set(f"status/{self.token}", text)
         except Unreachable:  # said by the link; the next boundary publishes again

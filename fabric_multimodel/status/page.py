@@ -49,12 +49,14 @@ def render(status: dict[str, Any], refresh_s: float = 2.0) -> str:
 
     Example::
 
-        page = render({"run": "", "epoch": None, "members": [], "silent": [], "waiting": [], "history": [],
-                       "totals": {"epochs": 0, "registrations": 0, "finished": False, "unreadable": 0}, "time": 0})
+        totals = {"epochs": 0, "registrations": 0, "finished": False, "unreadable": 0}
+        page = render({"run": "", "epoch": None, "members": [], "silent": [], "waiting": [], "passed_over": [],
+                       "history": [], "totals": totals, "time": 0})
     """
     totals = status["totals"]
     title = f"run {status['run'] or '(no id yet)'}: epoch {status['epoch'] if status['epoch'] is not None else '-'}"
-    state = "finished" if totals["finished"] else f"{len(status['members'])} sites training"
+    count = len(status["members"])
+    state = "finished" if totals["finished"] else f"{count} site{'' if count == 1 else 's'} training"
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<meta http-equiv='refresh' content='{float(refresh_s):g}'>",
@@ -72,8 +74,8 @@ def render(status: dict[str, Any], refresh_s: float = 2.0) -> str:
 
 
 def _members(status: dict[str, Any]) -> str:
-    rows = ["<h2>Members</h2><table id='members'><tr><th>site</th><th>token</th><th>epoch</th>"
-            "<th>heartbeat</th><th>step</th><th>rounds</th><th>bytes sent</th><th>membership s</th></tr>"]  # fmt: skip
+    head = "".join(f"<th>{title}</th>" for title in ("site", "token", "epoch", "heartbeat", *_TITLES, "reported"))
+    rows = [f"<h2>Members</h2><table id='members'><tr>{head}</tr>"]
     for kind in ("members", "silent"):
         for m in status[kind]:
             age = "-" if m["heartbeat_s"] is None else f"{m['heartbeat_s']:g} s ago"
@@ -83,19 +85,27 @@ def _members(status: dict[str, Any]) -> str:
                 f"<td>{escape(age)}{' (silent)' if kind == 'silent' else ''}</td>{_figures(m['figures'])}</tr>"
             )
     rows.append("</table>")
-    if status["waiting"]:
-        rows.append("<p>Waiting to be admitted: " + ", ".join(escape(t) for t in status["waiting"]) + "</p>")
+    for key, what in (("waiting", "Waiting to be admitted"), ("passed_over", "Passed over (gone before admitted)")):
+        if status[key]:
+            rows.append(f"<p id='{key}'>{what}: " + ", ".join(escape(t) for t in status[key]) + "</p>")
     return "\n".join(rows)
 
 
-def _figures(figures: dict[str, float]) -> str:
-    """A member's published figures as cells (``-`` for one it has not published)."""
-    cells = []
-    for name in ("step", "rounds", "bytes", "wait_s"):
-        value = figures.get(name)
-        cells.append("-" if value is None else f"{value:,.2f}".rstrip("0").rstrip(".") if name == "wait_s" else
-                     f"{value:,.0f}")  # fmt: skip
-    return "".join(f"<td>{escape(cell)}</td>" for cell in cells)
+#: The figures the members' table shows a column of, in its order, and how each is written; the others a site
+#: reported share the last column.
+_COLUMNS = {"step": "{:,.0f}", "rounds": "{:,.0f}", "bytes": "{:,.0f}", "wait_s": "{:,.2f}", "loss": "{:.4g}"}
+_TITLES = ("step", "rounds", "bytes sent", "membership s", "loss")
+
+
+def _figures(figures: dict[str, float | None]) -> str:
+    """A member's published figures as cells (``-`` for one it has not published, ``not finite`` for a NaN)."""
+    cells = [_figure(figures.get(name, "-"), form) for name, form in _COLUMNS.items()]
+    others = [f"{name}={_figure(value, '{:.4g}')}" for name, value in figures.items() if name not in _COLUMNS]
+    return "".join(f"<td>{escape(cell)}</td>" for cell in [*cells, " ".join(others)])
+
+
+def _figure(value: float | str | None, form: str) -> str:
+    return "not finite" if value is None else value if isinstance(value, str) else form.format(value)
 
 
 def _timeline(history: list[dict[str, Any]]) -> str:
@@ -114,9 +124,13 @@ def _timeline(history: list[dict[str, Any]]) -> str:
             cells.append(f"<td class='{kind}'></td>")
         rows.append(f"<tr><td>{escape(token)}</td>{''.join(cells)}</tr>")
     rows.append("</table>")
-    changes = [
-        f"epoch {e['epoch']}: joined {', '.join(map(escape, e['joined'])) or 'none'};"
-        f" left {', '.join(map(escape, e['left'])) or 'none'}"
-        for e in reversed(history)
-    ]
+    changes = [f"epoch {e['epoch']} (seen {time.strftime('%H:%M:%S', time.localtime(e['seen']))}): {_change(e)}"
+               for e in reversed(history)]  # fmt: skip
     return "\n".join(rows) + "<ul>" + "".join(f"<li>{c}</li>" for c in changes) + "</ul>"
+
+
+def _change(epoch: dict[str, Any]) -> str:
+    """Who joined and who left at ``epoch``, and why they left when the survivors of a failed round said so."""
+    lost = " (lost: a round failed and the others went on)" if epoch["left"] and epoch["after_loss"] else ""
+    joined, left = (", ".join(map(escape, epoch[key])) or "none" for key in ("joined", "left"))
+    return f"joined {joined}; left {left}{lost}"

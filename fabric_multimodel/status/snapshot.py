@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from fabric_multimodel.membership.decisions import Decision
 from fabric_multimodel.membership.figures import decode_figures
-from fabric_multimodel.membership.membership import NAMELESS
+from fabric_multimodel.membership.membership import GONE, NAMELESS
 from fabric_multimodel.membership.names import site_of
 
 #: The longest text (a token, a site's name) a status holds; the rest is cut and marked.
@@ -114,7 +114,7 @@ class StatusReader:
             "epoch": current["epoch"],
             "members": members[:MAX_LISTED],
             "silent": silent[:MAX_LISTED],
-            "waiting": self._waiting(),
+            **self._registrations(),
             "history": self._epochs[-HISTORY:],
             "totals": {
                 "epochs": len(self._epochs),
@@ -144,6 +144,8 @@ class StatusReader:
                     "members": members,
                     "joined": [m for m in members if m not in previous],
                     "left": [m for m in previous if m not in members],
+                    # the members agreed on it after one of theirs was lost in a round (its heartbeat stood still)
+                    "after_loss": number > 0 and self._get(f"epoch/{number}/failing") is not None,
                     # when this reader first saw it: a reader started later saw the earlier ones at its start
                     "seen": now,
                 }
@@ -162,7 +164,7 @@ class StatusReader:
             return 0.0
         return round(now - last[1], 1)
 
-    def _figures(self, token: str) -> dict[str, float]:
+    def _figures(self, token: str) -> dict[str, float | None]:
         """What the member last published (:meth:`~fabric_multimodel.Membership.publish`): its step, rounds, ...;
         empty before it did, or when the value is not figures (then counted as unreadable)."""
         value = self._get(f"status/{token}")
@@ -173,17 +175,19 @@ class StatusReader:
             self.unreadable += 1
         return figures or {}
 
-    def _waiting(self) -> list[str]:
-        """The newest registrations no epoch has held yet and none has turned away: they wait to be admitted."""
+    def _registrations(self) -> dict[str, list[str]]:
+        """The newest registrations no epoch has held: ``waiting`` to be admitted, or ``passed_over`` (the members
+        found its heartbeat standing still when they could have admitted it: it registers again if it lives)."""
         joins = self._count("joins")
-        waiting = []
+        found: dict[str, list[str]] = {"waiting": [], "passed_over": []}
         for number in range(max(1, joins - MAX_LISTED + 1), joins + 1):
             token = self._get(f"join/{number}")
             if token is None or token == NAMELESS.encode() or shown(token) in self._ever:
                 continue
-            if self._get(f"admit/{shown(token)}") is None:
-                waiting.append(shown(token))
-        return waiting
+            answer = self._get(f"admit/{shown(token)}")
+            if answer is None or answer == GONE.encode():
+                found["waiting" if answer is None else "passed_over"].append(shown(token))
+        return found
 
     def _get(self, key: str) -> bytes | None:
         return self.store.get(key) if self.store.check([key]) else None
