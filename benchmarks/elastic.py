@@ -110,6 +110,7 @@ def live_run(args: Any, label: str, drop: Drop | None, churn: Churn | None = Non
     # the sites that ended the run (with churn, a site started after its last round has no final line)
     ended = [site for site, text in enumerate(texts) if "final:" in text and (drop is None or site != drop.site)]
     row: dict[str, Any] = {"run": label, "code": result.code, "sites_wall_s": result.wall_s}
+    row["timeline"] = str(result.timeline) if result.timeline else None  # the coordinator's record, drawn
     row["kills"], row["epochs"] = len(result.churned), max(len(_membership(text)) for text in texts)
     if result.code == 0 and ended:
         finals = {site: parse_final_line(texts[site], MEMBERSHIP_KEYS) for site in ended}
@@ -492,6 +493,9 @@ def print_churn(args: Any, churn: Churn, rows: list[dict[str, Any]], info: dict[
         row["changes"] = row.get("epochs", row.get("heals", len(row.get("resumes", []))))
     table = [[name, *(cell(row, key, fmt) for row in rows)] for name, key, fmt in spec]
     print(common.markdown_table(["", *(COLUMNS[row["run"]] for row in rows)], table))
+    for row in rows:
+        if row.get("timeline"):
+            print(f"\n{COLUMNS[row['run']]}: its timeline (the coordinator's status record, drawn): {row['timeline']}")
     common.write_json(args.out / f"{NAME}.json", {"machine": info, "args": vars(args), "rows": rows, "at": time.time()})
 
 

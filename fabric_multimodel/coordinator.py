@@ -9,7 +9,8 @@ and give each site its address (:class:`~fabric_multimodel.Membership`, the exam
 ``--coordinator HOST:29400``). It is torch's ``TCPStore`` server: the sites' agreements are keys written once
 with ``compare_set`` (see :mod:`fabric_multimodel.membership.membership`), and each epoch's process group meets there.
 ``--status-port`` serves a run's status beside it (:mod:`fabric_multimodel.status`): who trains, who went silent, who
-waits, and each epoch's members; on 127.0.0.1 unless ``--status-host`` says otherwise.
+waits, and each epoch's members; on 127.0.0.1 unless ``--status-host`` says otherwise; ``--status-record FILE`` keeps
+it over time for a picture of the run (:mod:`fabric_multimodel.status.timeline`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--status-port", type=int, help="serve the run's status page (HTML and /status.json) here")
     parser.add_argument("--status-host", default="127.0.0.1", help="the status page's address (default: %(default)s)")
     parser.add_argument("--run", default="run", help="the run whose status the page shows (Membership's `run`)")
+    parser.add_argument("--status-record", type=Path, help="with --status-port: append the status here, for a picture"
+                        " of the run (python -m fabric_multimodel.status.timeline FILE)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.status_record is not None and args.status_port is None:
+        parser.error("--status-record needs --status-port (the page's reader writes the record)")
     stop, closed = threading.Event(), threading.Event()  # a signal; then the store, once the page stopped reading it
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
@@ -63,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"coordinator: could not listen on port {args.port}", file=sys.stderr)
             return 1
     print(f"coordinator: serving on port {args.port}; stop it with Ctrl-C or SIGTERM", flush=True)
-    page = None if args.status_port is None else status_page(args.port, args.run, args.status_host, args.status_port)
+    page = None
+    if args.status_port is not None:
+        page = status_page(args.port, args.run, args.status_host, args.status_port, args.status_record)
     if page is not None:
         print(f"coordinator: run {args.run}'s status on http://{args.status_host}:{page.port}/", flush=True)
     while not stop.wait(1.0):
@@ -76,18 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def status_page(port: int, run: str, host: str, status_port: int) -> StatusServer:
-    """The status page of ``run``, whose store this coordinator serves on ``port``, started on ``host:status_port``.
+def status_page(port: int, run: str, host: str, status_port: int, record: Path | None = None) -> StatusServer:
+    """The status page of ``run``, whose store this coordinator serves on ``port``, started on ``host:status_port``;
+    each read also appended to ``record`` (:class:`~fabric_multimodel.status.record.Recorder`) when given.
 
     Example::
 
-        page = status_page(29400, "run", "127.0.0.1", 8080)
+        page = status_page(29400, "run", "127.0.0.1", 8080, record=Path("run.jsonl"))
     """
+    from fabric_multimodel.status.record import Recorder
     from fabric_multimodel.status.server import StatusServer
     from fabric_multimodel.status.snapshot import StatusReader
 
     reader = StatusReader.connect(f"127.0.0.1:{port}", run)
-    return StatusServer(reader, host=host, port=status_port).start()
+    on_read = None if record is None else Recorder(record)
+    return StatusServer(reader, host=host, port=status_port, on_read=on_read).start()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ from fabric_multimodel.sites import (
 from fabric_multimodel.sites.cpu import CPU_CONTROLLER
 from fabric_multimodel.sites.network import CONGESTION_CONTROL
 from fabric_multimodel.sites.processes import coordinator_command
+from fabric_multimodel.status.record import read_record
+from fabric_multimodel.status.timeline import members_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK = str(ROOT / "tests" / "sites_task.py")
@@ -789,4 +791,9 @@ def test_live_sites_train_on_when_the_first_site_is_lost_and_take_it_back(live):
         assert outputs[site].count("final:") == 1
     assert "site 0 back at" in (live.out / "sites.log").read_text()
     assert float(finals[0]["process_start"]) > live.started + live.back_at - 1  # site 0's second process ended it
+    members, _ = members_of(read_record(live.out / "status.jsonl"))  # the coordinator's record, and its picture
+    zeros = [m for m in members if m.token.startswith("0#")]
+    assert len(zeros) == 2 and zeros[0].lost is not None and zeros[1].joined is not None, members
+    assert zeros[1].joined > zeros[0].lost and all(m.loss for m in members if m is not zeros[0]), members
+    assert live.timeline is not None and live.timeline.read_bytes()[:4] == b"\x89PNG"
     assert leftovers(live.run_id) == []

@@ -26,8 +26,10 @@ from fabric_multimodel import Averager, Membership
 from fabric_multimodel.membership.figures import MAX_FIGURES, decode_figures, encode_figures
 from fabric_multimodel.run.launch import free_port
 from fabric_multimodel.status.page import render
+from fabric_multimodel.status.record import Recorder, read_record
 from fabric_multimodel.status.server import StatusServer
 from fabric_multimodel.status.snapshot import MAX_TEXT, StatusReader
+from fabric_multimodel.status.timeline import members_of
 from tests.test_coordinator_loss import Coordinator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +66,9 @@ def status_of(port: int) -> dict[str, Any]:
     return json.loads(body)
 
 
-def test_two_sites_are_members_on_the_page_and_one_that_stops_beating_goes_silent(served: Coordinator) -> None:
+def test_two_sites_are_members_on_the_page_and_one_that_stops_beating_goes_silent(
+    served: Coordinator, tmp_path: Path
+) -> None:
     coordinator = served
     run = "status-two"
     a = Membership(coordinator.address, "a", run=run, timeout=5.0, heartbeat_s=0.1)
@@ -75,7 +79,9 @@ def test_two_sites_are_members_on_the_page_and_one_that_stops_beating_goes_silen
     boundary = iter(range(1, 10_000))
     until(lambda: a.at_boundary(next(boundary)))
     thread.join(timeout=30)
-    with StatusServer(StatusReader.connect(coordinator.address, run, stale_s=1.0), poll_s=0.1) as server:
+    recorder = Recorder(tmp_path / "run.jsonl", every_s=0.0)
+    reader = StatusReader.connect(coordinator.address, run, stale_s=1.0)
+    with StatusServer(reader, poll_s=0.1, on_read=recorder) as server:
         status = until(lambda: (s := status_of(server.port))["members"] and len(s["members"]) == 2 and s)
         assert [m["site"] for m in status["members"]] == ["a", "b"] and status["epoch"] == first.number + 1
         assert [(e["epoch"], e["members"], e["joined"]) for e in status["history"]] == [
@@ -102,6 +108,17 @@ def test_two_sites_are_members_on_the_page_and_one_that_stops_beating_goes_silen
         page = fetch(server.port, "/")[2].decode()
         assert "left b#2 (lost: a round failed and the others went on)" in page and "<p id='passed_over'>" in page
     a.close(finished=True)
+    recorder.close()
+    members, seconds = members_of(read_record(recorder.path))
+    assert [m.token for m in members] == ["a#1", "b#2"] and seconds > 0
+    a_row, b_row = members
+    assert a_row.lost is None and len(a_row.spans) == 1 and not a_row.spans[0][2]
+    assert [silent for _, _, silent in b_row.spans] == [False, True] and b_row.lost == b_row.spans[1][0]
+    assert b_row.spans[0][1] == b_row.spans[1][0] and b_row.spans[1][1] <= seconds  # one after the other
+    done = subprocess.run([sys.executable, "-m", "fabric_multimodel.status.timeline", str(recorder.path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "2 members" in done.stdout, done.stderr
+    assert recorder.path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_hostile_values_in_the_store_stay_bounded_text_and_the_page_escapes_them(served: Coordinator) -> None:
@@ -244,3 +261,65 @@ def test_the_status_command_serves_any_coordinators_run_and_refuses_a_bad_addres
         site.close(finished=True)
     bad = subprocess.run([*command[:4], "nowhere", *command[5:]], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "--coordinator must be host:port" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_the_status_command_serves_a_run_whose_coordinator_is_an_etcd_cluster(etcd: tuple[str, Any]) -> None:
+    address, _ = etcd
+    sites = [
+        Membership(address, name, run="etcd-run", min_sites=2, timeout=10.0, heartbeat_s=0.2)
+        for name in ("oslo", "rome")
+    ]
+    threads = [threading.Thread(target=site.join, daemon=True) for site in sites]
+    for thread in threads:
+        thread.start()
+    page = free_port()
+    command = [sys.executable, "-m", "fabric_multimodel.status", "--coordinator", address, "--run", "etcd-run",
+               "--port", str(page)]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None and f"on http://127.0.0.1:{page}/" in proc.stdout.readline()
+        status = until(lambda: len((s := status_of(page))["members"]) == 2 and s)
+        assert sorted(m["site"] for m in status["members"]) == ["oslo", "rome"] and status["run"]
+        assert "<td>oslo</td>" in fetch(page, "/")[2].decode()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        for thread, site in zip(threads, sites):
+            thread.join(timeout=30)
+            site.close(finished=True)
+
+
+@st.composite
+def records(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Status lines as a Recorder writes them: members come, go silent, leave; times increase."""
+    tokens = [f"s{i}#{i + 1}" for i in range(draw(st.integers(1, 4)))]
+    lines, now = [], 1000.0
+    for _ in range(draw(st.integers(1, 12))):
+        now += draw(st.floats(0.1, 30.0))
+        kinds = draw(st.lists(st.sampled_from(["in", "silent", "out"]), min_size=len(tokens), max_size=len(tokens)))
+        members = {t: {"site": t.split("#")[0], "rounds": len(lines)} for t, k in zip(tokens, kinds) if k == "in"}
+        lines.append({"time": now, "epoch": 1, "finished": False, "members": members,
+                      "silent": [t for t, k in zip(tokens, kinds) if k == "silent"]})  # fmt: skip
+    return lines
+
+
+@given(records())
+def test_a_records_spans_follow_each_member_in_order_and_never_overlap(record: list[dict[str, Any]]) -> None:
+    members, seconds = members_of(record)
+    seen = {t for line in record for t in [*line["members"], *line["silent"]]}
+    assert {m.token for m in members} == seen
+    for member in members:
+        ends = [edge for span in member.spans for edge in span[:2]]
+        assert ends == sorted(ends) and 0 <= ends[0] and ends[-1] <= seconds
+        for (_, end, silent), (begin, _, again) in zip(member.spans, member.spans[1:]):
+            assert end < begin or silent != again  # two spans of one kind that touch are one
+        assert all(seconds_a_round > 0 for _, seconds_a_round in member.round_s)
+
+
+def test_the_timeline_command_says_what_it_cannot_draw(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "fabric_multimodel.status.timeline"]
+    missing = subprocess.run([*command, str(tmp_path / "none.jsonl")], capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "no such file" in missing.stderr.splitlines()[-1]
+    (tmp_path / "empty.jsonl").write_text('not json\n{"time": 1, "members": {}}\n')
+    empty = subprocess.run([*command, str(tmp_path / "empty.jsonl")], capture_output=True, text=True, cwd=ROOT)
+    assert empty.returncode == 1 and "holds no member" in empty.stderr and "1 lines that are not" in empty.stderr

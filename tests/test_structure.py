@@ -20,6 +20,7 @@ COMMAND_LINES = {
     "sites/processes.py",
     "sites/run.py",
     "status/__main__.py",
+    "status/timeline.py",
 }
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -130,11 +130,31 @@ def shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def coordinator_command(sites: Sites, port: int, command: Sequence[str] | None = None) -> list[str]:
+def coordinator_command(
+    sites: Sites, port: int, command: Sequence[str] | None = None, record: Path | None = None
+) -> list[str]:
     """``--live``: the coordinator, in the last namespace (a host of its own, outside every site): ``python -m
-    fabric_multimodel.coordinator``, or ``command`` with ``{port}`` replaced."""
+    fabric_multimodel.coordinator`` (with ``record``: its status page on a free port, recording the run there), or
+    ``command`` with ``{port}`` replaced."""
     default = [sys.executable, "-m", "fabric_multimodel.coordinator", "--port", "{port}"]
+    if record is not None:
+        default += ["--status-port", "0", "--status-record", str(record.resolve())]
     return [*sites.exec_prefix(sites.count - 1), *(arg.replace("{port}", str(port)) for arg in command or default)]
+
+
+def draw_timeline(record: Path, say: Callable[[str], None]) -> Path | None:
+    """The picture of a live run from the coordinator's ``record`` (``python -m fabric_multimodel.status.timeline``,
+    a process of its own: this tool imports no plotting), beside it as ``timeline.png``; None, said in a line, when
+    it cannot be drawn (no record, no matplotlib)."""
+    if not record.is_file():
+        say(f"sites: no timeline: the coordinator wrote no status record ({record})")
+        return None
+    out = record.with_name("timeline.png")
+    command = [sys.executable, "-m", "fabric_multimodel.status.timeline", str(record), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    say(f"sites: {lines[-1] if lines else 'timeline: drew nothing'}")
+    return out if done.returncode == 0 else None
 
 
 class Launcher:

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ from fabric_multimodel.sites.processes import (
     STDOUT,
     Launcher,
     coordinator_command,
+    draw_timeline,
     shell_code,
     site_command,
     site_environment,
@@ -163,7 +165,8 @@ class SitesResult:
     (when each site's launcher was seen to exit, the last time it ran), ``dropped_at`` and ``back_at`` (when
     ``drop`` happened) and ``joined_at`` (when ``join``'s site started) count from then. ``stopped``: the sites
     the tool ended after another one failed, or at the timeout. ``churned``: with ``churn``, each site killed,
-    when, and when it was started again (None: not again).
+    when, and when it was started again (None: not again). ``timeline``: a live run's picture
+    (:mod:`fabric_multimodel.status.timeline`, from the coordinator's status record), when it could be drawn.
     """
 
     run_id: str
@@ -182,6 +185,7 @@ class SitesResult:
     timed_out: bool = False
     joined_at: float | None = None
     churned: tuple[tuple[int, float, float | None], ...] = ()
+    timeline: Path | None = None
 
 
 def run_sites(
@@ -250,7 +254,8 @@ def run_sites(
             launchers = [Launcher(r, c, environment, folder, echo=stream and r == 0) for r, c in enumerate(commands)]
             host = None  # the coordinator's launcher
             if launcher == "live":
-                command = coordinator_command(net, port, coordinator)
+                record = None if coordinator else folder / "status.jsonl"  # our own coordinator records the run
+                command = coordinator_command(net, port, coordinator, record)
                 host = Launcher(sites, command, environment, folder, echo=False, name="coordinator")
             run = _Run(net, launchers, host, churn.order(launcher, sites) if churn else ())
             try:
@@ -263,7 +268,10 @@ def run_sites(
                 net.close()
                 for limit in limits.values():
                     limit.remove()
-        return run.result(measured, folder, drop)
+        result = run.result(measured, folder, drop)
+    if launcher == "live" and coordinator is None:
+        result = dataclasses.replace(result, timeline=draw_timeline(folder / "status.jsonl", say))
+    return result
 
 
 def _check_settings(

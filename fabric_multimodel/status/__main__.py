@@ -13,6 +13,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from fabric_multimodel.membership.stores import check_coordinator
 
@@ -23,11 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", default="run", help="the run's name (Membership's `run`; default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="the page's address (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="the page's port (default: %(default)s)")
+    parser.add_argument("--record", type=Path, help="also append the status here (python -m"
+                        " fabric_multimodel.status.timeline FILE draws it)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         check_coordinator(args.coordinator)
     except ValueError as error:
         parser.error(f"--coordinator must be host:port or etcd://host:port,...; {error}")
+    from fabric_multimodel.status.record import Recorder
     from fabric_multimodel.status.server import StatusServer
     from fabric_multimodel.status.snapshot import StatusReader
 
@@ -41,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
-    with StatusServer(reader, host=args.host, port=args.port) as server:
+    on_read = None if args.record is None else Recorder(args.record)
+    with StatusServer(reader, host=args.host, port=args.port, on_read=on_read) as server:
         print(f"status: run {args.run} at {args.coordinator} on http://{args.host}:{server.port}/", flush=True)
         while not stop.wait(1.0):
             pass

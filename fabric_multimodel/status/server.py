@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -22,7 +23,8 @@ _log = logging.getLogger(__name__)
 
 
 class StatusServer:
-    """Serves ``reader``'s status on ``host:port`` (``port=0``: a free one, then its ``port``) until :meth:`stop`.
+    """Serves ``reader``'s status on ``host:port`` (``port=0``: a free one, then its ``port``) until :meth:`stop`;
+    ``on_read(status)`` after each read (a :class:`~fabric_multimodel.status.record.Recorder`).
 
     Example::
 
@@ -30,8 +32,16 @@ class StatusServer:
             print(f"http://127.0.0.1:{server.port}/status.json")
     """
 
-    def __init__(self, reader: StatusReader, *, host: str = "127.0.0.1", port: int = 0, poll_s: float = 0.5) -> None:
-        self.reader, self.poll_s = reader, poll_s
+    def __init__(
+        self,
+        reader: StatusReader,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        poll_s: float = 0.5,
+        on_read: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.reader, self.poll_s, self.on_read = reader, poll_s, on_read
         self._status: dict[str, Any] | None = None
         self._failing = False
         self._stop = threading.Event()
@@ -87,6 +97,8 @@ class StatusServer:
             self._failing = False
             with self._lock:
                 self._status = status
+            if self.on_read is not None:  # a Recorder: the run over time
+                self.on_read(status)
 
 
 def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
