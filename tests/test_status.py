@@ -316,6 +316,18 @@ def test_a_records_spans_follow_each_member_in_order_and_never_overlap(record: l
         assert all(seconds_a_round > 0 for _, seconds_a_round in member.round_s)
 
 
+def test_the_members_that_end_a_run_are_not_lost_when_their_heartbeats_stop() -> None:
+    figures = {"site": "a", "rounds": 1}
+    record = [
+        {"time": 0.0, "epoch": 1, "finished": False, "members": {"a#1": figures, "b#2": figures}, "silent": []},
+        {"time": 5.0, "epoch": 1, "finished": False, "members": {"a#1": figures}, "silent": ["b#2"]},
+        {"time": 9.0, "epoch": 2, "finished": True, "members": {"a#1": figures}, "silent": []},
+        {"time": 15.0, "epoch": 2, "finished": True, "members": {}, "silent": ["a#1"]},
+    ]
+    a, b = members_of(record)[0]
+    assert a.lost is None and a.spans == [(0.0, 15.0, False)] and b.lost == 5.0
+
+
 def test_the_timeline_command_says_what_it_cannot_draw(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "fabric_multimodel.status.timeline"]
     missing = subprocess.run([*command, str(tmp_path / "none.jsonl")], capture_output=True, text=True, cwd=ROOT)

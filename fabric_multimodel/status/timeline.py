@@ -50,6 +50,8 @@ def members_of(record: Sequence[dict[str, Any]]) -> tuple[list[Member], float]:
         until = float(record[index + 1]["time"]) - start if index + 1 < len(record) else now
         finished = bool(line.get("finished"))
         for token, silent in [(t, False) for t in line["members"]] + [(t, True) for t in line["silent"]]:
+            if silent and finished:  # the run ended: its last members stopped beating, none was lost
+                continue
             member = found.setdefault(token, Member(token, joined=now if index else None))
             _extend(member, now, until, silent)
             if silent and member.lost is None:
@@ -119,8 +121,8 @@ def draw_timeline(record: Sequence[dict[str, Any]], path: str | Path, title: str
     losses.set_xlabel("seconds since the record began")
     for axes in (rounds, losses):
         axes.grid(alpha=0.3)
-        if axes.get_lines():
-            axes.legend(fontsize=8, loc="upper right")
+    if len(members) <= 24 and (rounds.get_lines() or losses.get_lines()):  # beside the curves, not on them
+        (rounds if rounds.get_lines() else losses).legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
     path = Path(path)
     figure.savefig(path, dpi=110)
