@@ -15,12 +15,22 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch: its store
 import argparse
 import functools
 import time
+import zlib
 
 import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from fabric_multimodel import Averager, Checkpointer, CoordinatorLost, Loop, Membership, RunEnded, setup_models
+from fabric_multimodel import (
+    Averager,
+    Checkpointer,
+    CoordinatorLost,
+    Loop,
+    Membership,
+    RunEnded,
+    WrongSecret,
+    setup_models,
+)  # fmt: skip
 from fabric_multimodel.membership.names import SITE_NAME_RULE, is_site_name
 from fabric_multimodel.plan.payloads import fraction
 from fabric_multimodel.run.cli import configure_logging
@@ -40,6 +50,8 @@ def main() -> int:
     p.add_argument("--min-sites", type=int, default=1, help="with --coordinator: the sites the run starts with")
     p.add_argument("--grace", type=float, default=300.0, help="seconds the coordinator may be away (it trains on)")
     p.add_argument("--density", type=fraction, default=1.0, help="below 1 (e.g. 1/64): sparse rounds, not fp8 codes")
+    p.add_argument("--robust", choices=["none", "clip", "trimmed_mean"], default="none",
+                   help="rounds no single site steers alone (fp32 payloads)")  # fmt: skip
     args = p.parse_args()
     site = os.environ.get("SITE", "")
     if args.coordinator and not is_site_name(site):
@@ -53,8 +65,14 @@ def main() -> int:
     payload = {"comm_dtype": torch.float8_e4m3fn, "outer_optimizer": outer}
     if args.density < 1:  # what a site has not sent yet stands in for the outer momentum (SparseLoCo)
         payload = {"density": args.density}
+    if args.robust != "none":  # every site receives every site's pseudo-gradient and applies the rule
+        payload = {"robust": args.robust, "outer_optimizer": outer}
+    data = zlib.crc32(site.encode()) % 997 if args.coordinator else 0  # each site its own batches
     options = {"device": fabric.device, "min_sites": args.min_sites, "grace_s": args.grace}
-    membership = Membership(args.coordinator, site, **options) if args.coordinator else None
+    try:  # FABRIC_MULTIMODEL_SECRET: only the sites that hold the run's secret are let in
+        membership = Membership(args.coordinator, site, **options) if args.coordinator else None
+    except WrongSecret as error:
+        raise SystemExit(f"site {site}: {error}") from None
     averager = Averager(fabric, model, period=32, warmup_steps=0, fragments=2, overlap_steps=2, membership=membership,
                         **payload)  # fmt: skip
     checkpointer = Checkpointer(fabric, args.out, averager=averager)
@@ -70,7 +88,7 @@ def main() -> int:
             if averager.steps > state["step"]:
                 fabric.print(f"joined the run at step {averager.steps}")
             for step in loop:
-                loss = loss_of(model, step, fabric.global_rank, fabric.device)
+                loss = loss_of(model, step, fabric.global_rank + data, fabric.device)
                 fabric.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()

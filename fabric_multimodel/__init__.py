@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fabric_multimodel.membership.epoch import Epoch, RunEnded
     from fabric_multimodel.membership.link import CoordinatorLost
     from fabric_multimodel.membership.membership import Membership
+    from fabric_multimodel.membership.signed import WrongSecret
     from fabric_multimodel.rounds.errors import AveragingError, NonFiniteError, PeerError
     from fabric_multimodel.run.loop import Loop
     from fabric_multimodel.run.preemption import PreemptionStop
@@ -48,6 +49,7 @@ _HOMES = {
     "Membership": "membership.membership",
     "RunEnded": "membership.epoch",
     "CoordinatorLost": "membership.link",
+    "WrongSecret": "membership.signed",
     "Models": "ddp.models",
     "ddp_of": "ddp.models",
     "setup_models": "ddp.models",
@@ -77,6 +79,7 @@ __all__ = [
     "RunEnded",
     "SyncReport",
     "Traffic",
+    "WrongSecret",
     "average_models",
     "ddp_of",
     "frozen",

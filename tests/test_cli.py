@@ -49,6 +49,8 @@ FLAGS = {
     "--error-feedback": st.booleans(),
     "--density": st.sampled_from([None, "1", "1/64", "0.0156", "0", "2/1"]),
     "--error-decay": st.sampled_from([None, "0.95", "0.5", "1.5"]),
+    "--robust": st.sampled_from(["none", "clip", "trimmed_mean"]),
+    "--trim": st.sampled_from([None, "0.25", "0.4", "0.5"]),
     "--fragments": st.integers(0, 4).map(str),
     "--mixing": st.sampled_from([None, "0", "0.5", "1", "1.5", "progress"]),
     "--pace": st.sampled_from(["steps", "speed"]),
@@ -94,9 +96,13 @@ def test_what_the_flags_let_through_the_averager_takes(values) -> None:
         (["--period", "8", "--mixing", "0.5"], "--mixing sets how overlapped rounds merge; set --overlap-steps too"),
         (["--period", "8", "--density", "1/64", "--comm-dtype", "float8_e4m3fn"], "combined with --comm-dtype"),
         (["--period", "8", "--error-decay", "0.5"], "--error-decay is the decay .* set --density below 1 too"),
-        (["--period", "0", "--density", "1/64"], "--density and --fragments need --period N"),
+        (["--period", "0", "--density", "1/64"], "--density, --robust and --fragments need --period N"),
         (["--period", "8", "--density", "1/0"], "argument --density: invalid fraction value"),
         (["--period", "8", "--density", "2"], "argument --density: invalid fraction value"),
+        (["--period", "0", "--robust", "clip"], "--density, --robust and --fragments need --period N"),
+        (["--period", "8", "--trim", "0.3"], "--trim is the trimmed mean's; set --robust trimmed_mean too"),
+        (["--period", "8", "--robust", "trimmed_mean", "--trim", "0.5"], "--trim is the share trimmed from each"),
+        (["--period", "8", "--robust", "clip", "--density", "1/64"], "--robust .* cannot be combined with"),
     ],
 )
 def test_a_combination_the_averager_cannot_take_is_one_line_naming_the_flags(argv, message) -> None:
@@ -128,6 +134,10 @@ def test_the_options_build_what_the_flags_say() -> None:
     # sparse rounds keep the optimizers' state local, as DiLoCo does: averaging it would send it all, dense
     assert averager_options(sparse, optimizers=["adam"]) == {
         "period": 4, "warmup_steps": 3, "overlap_steps": 0, "density": 1 / 64, "error_decay": 0.9
+    }  # fmt: skip
+    _, robust = parsed(["--period", "4", "--robust", "trimmed_mean", "--trim", "0.3"])
+    assert averager_options(robust, optimizers=["adam"]) == {  # each site's optimizer state stays its own
+        "period": 4, "warmup_steps": 3, "overlap_steps": 0, "robust": "trimmed_mean", "trim": 0.3
     }  # fmt: skip
 
 

@@ -192,6 +192,40 @@ def test_three_sites_train_on_through_the_coordinators_restart_and_end_with_the_
 
 
 @pytest.mark.slow
+def test_invited_sites_train_and_a_site_with_a_wrong_secret_stops_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 70: two sites holding FABRIC_MULTIMODEL_SECRET train and end as one model; a third with a wrong one
+    exits non-zero within 30 s with one line naming the secret, and the two never notice."""
+    port = free_port()
+    monkeypatch.setenv("FABRIC_MULTIMODEL_SECRET", "the run's secret, a long random string")
+    coordinator = start_coordinator_on(port)
+    sites = [Site(name, port, tmp_path, LIVE_STEPS, "--min-sites", "2") for name in ("a", "b")]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all(re.search(r"epoch \d+: 2 sites", site.output) for site in sites):
+            assert all(site.proc.poll() is None for site in sites) and time.monotonic() < deadline, sites[0].output
+            time.sleep(0.1)
+        monkeypatch.setenv("FABRIC_MULTIMODEL_SECRET", "a guess")
+        start = time.monotonic()
+        intruder = Site("c", port, tmp_path, LIVE_STEPS, "--min-sites", "2")
+        code = intruder.finish()
+        lines = intruder.output.strip().splitlines()
+        assert code != 0 and time.monotonic() - start < 30, intruder.output[-2000:]
+        assert lines[-1] == "site c: FABRIC_MULTIMODEL_SECRET is not the secret of run 'run': this site was not let in"
+        clean(intruder)
+        codes = [site.finish() for site in sites]
+    finally:
+        for proc in [*(site.proc for site in sites), coordinator]:
+            stop_process_tree(proc)
+    for site, code in zip(sites, codes):
+        assert code == 0 and "epoch 2" not in site.output, site.output[-3000:]  # nobody joined, nobody left
+        clean(site)
+    finals = [parse_final_line(site.output, KEYS) for site in sites]
+    assert finals[0]["val_loss"] == finals[1]["val_loss"] and finals[0]["steps"] == str(LIVE_STEPS), finals
+
+
+@pytest.mark.slow
 def test_sites_stop_past_the_grace_and_the_same_commands_resume_them(tmp_path: Path) -> None:
     """The coordinator killed for good: every site saves and stops in one line; then the coordinator and the same
     commands again: every site resumes from its own checkpoint, at the step it stopped, and ends the run."""

@@ -34,6 +34,7 @@ from fabric_multimodel.comm.codec import CODE_DTYPES
 from fabric_multimodel.comm.collectives import ProcessGroup, group_size
 from fabric_multimodel.comm.flat import FlatStorage, Part, local_part
 from fabric_multimodel.comm.quantized import QuantizedMean
+from fabric_multimodel.comm.robust_mean import RobustMean
 from fabric_multimodel.comm.sparse_mean import SparseMean
 from fabric_multimodel.ddp.models import ddp_ignored
 from fabric_multimodel.rounds.delta import DeltaRound
@@ -127,7 +128,7 @@ def _round(
 ) -> Round:
     """The kind of round the options ask for."""
     overlap, check_finite, mixing = config.overlap_steps != 0, config.check_finite, config.mixing
-    if config.outer_optimizer is None and config.comm_dtype is None and config.density == 1:
+    if config.outer_optimizer is None and config.comm_dtype is None and config.density == 1 and not config.robust:
         return MeanRound(
             storage,
             group,
@@ -157,8 +158,10 @@ def _round(
 
 
 def encoding(config: AveragerConfig) -> Encoding | None:
-    """What encodes an anchored round's payload: a ``density`` below 1's sparse mean, a low-bit ``comm_dtype``'s
-    quantized mean, or nothing (the payload is summed as it is)."""
+    """What encodes an anchored round's payload: a ``robust`` rule's mean, a ``density`` below 1's sparse mean, a
+    low-bit ``comm_dtype``'s quantized mean, or nothing (the payload is summed as it is)."""
+    if config.robust is not None:
+        return functools.partial(_robust, rule=config.robust, trim=config.trim)
     if config.density != 1:
         return functools.partial(_sparse, density=config.density, decay=config.error_decay)
     if config.comm_dtype in CODE_DTYPES:
@@ -170,6 +173,12 @@ def _sparse(
     numel: int, device: torch.device, group: ProcessGroup, exact_numel: int, *, density: float, decay: float
 ) -> SparseMean:
     return SparseMean(numel, density, device, group=group, exact_numel=exact_numel, decay=decay)
+
+
+def _robust(
+    numel: int, device: torch.device, group: ProcessGroup, exact_numel: int, *, rule: str, trim: float
+) -> RobustMean:
+    return RobustMean(numel, device, rule=rule, trim=trim, group=group, exact_numel=exact_numel)
 
 
 def _quantized(

@@ -27,6 +27,7 @@ import torch
 from torch.optim import Optimizer
 
 from fabric_multimodel.comm.codec import CODE_DTYPES
+from fabric_multimodel.comm.robust_mean import check_rule
 from fabric_multimodel.rounds.fragments import Fragments
 from fabric_multimodel.rounds.outer import OuterOptimizerFactory
 
@@ -48,6 +49,10 @@ class AveragerConfig:
             each chunk of its pseudo-gradient plus its error-feedback accumulator, at about 10 bits an entry
             (:mod:`fabric_multimodel.comm.sparse_mean`); the accumulator stands in for the outer momentum.
         error_decay: the sparse rounds' accumulator decay (SparseLoCo's beta): ``e <- error_decay * e + delta``.
+        robust: None for the plain mean; ``"trimmed_mean"`` or ``"clip"`` (centered clipping) for rounds that no
+            single rank (site) steers alone: every rank receives every pseudo-gradient and applies the rule
+            (:mod:`fabric_multimodel.comm.robust_mean`).
+        trim: with ``robust="trimmed_mean"``, the share of values dropped from each side, per coordinate.
         overlap_steps: 0 for blocking rounds; k to merge each round k steps after its launch; ``"auto"`` (with
             ``period="auto"``): the steps a round needs, measured, then the smallest period they allow.
         fragments: 1 for rounds of everything; ``F`` (or a list of parameter groups) for streaming rounds.
@@ -72,6 +77,8 @@ class AveragerConfig:
     error_feedback: bool = False
     density: float = 1.0
     error_decay: float = 0.95
+    robust: str | None = None
+    trim: float = 0.25
     overlap_steps: int | str = 0
     fragments: Fragments = 1
     mixing: float | None = None
@@ -145,7 +152,7 @@ def _short(value: Any) -> str:
 
 
 def _check(config: AveragerConfig, caller: str = "Averager") -> None:
-    for check in (_check_schedule, _check_payload, _check_node_period, _check_pace):
+    for check in (_check_schedule, _check_payload, _check_robust, _check_node_period, _check_pace):
         check(config, caller)
 
 
@@ -230,6 +237,24 @@ def _check_density(config: AveragerConfig, caller: str) -> None:
         raise ValueError(
             f"{caller}: `density` ({density}) sends each entry in its own two-level code; it cannot be combined with"
             f" `comm_dtype` ({config.comm_dtype}): drop one of them."
+        )
+
+
+def _check_robust(config: AveragerConfig, caller: str) -> None:
+    """Robust rounds: a rule, its trim, and what they cannot be combined with yet."""
+    if config.robust is None:
+        if config.trim != AveragerConfig.trim:
+            raise ValueError(
+                f"{caller}: `trim` is the trimmed mean's; set `robust='trimmed_mean'` too, or drop `trim`."
+            )
+        return
+    check_rule(config.robust, config.trim, caller)
+    if config.robust != "trimmed_mean" and config.trim != AveragerConfig.trim:
+        raise ValueError(f"{caller}: `trim` is the trimmed mean's, not {config.robust!r}'s: drop `trim`.")
+    if config.comm_dtype is not None or config.density != 1 or config.node_period is not None or config.pace != "steps":
+        raise ValueError(
+            f"{caller}: `robust` ({config.robust!r}) receives every rank's fp32 pseudo-gradient; it cannot be combined"
+            " with `comm_dtype`, `density`, `node_period` or `pace='speed'` yet: drop one of them."
         )
 
 

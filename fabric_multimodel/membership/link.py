@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from fabric_multimodel.membership.etcd_store import SCHEME
+from fabric_multimodel.membership.signed import signed
 from fabric_multimodel.membership.stores import coordinator_store
 
 _log = logging.getLogger(__name__)
@@ -66,8 +67,11 @@ class CoordinatorLink:
         link.add("joins", 0)  # Unreachable when the coordinator is gone; link.lost says so from then on
     """
 
-    def __init__(self, coordinator: str, run: str, *, timeout: float, grace_s: float) -> None:
+    def __init__(
+        self, coordinator: str, run: str, *, timeout: float, grace_s: float, secret: bytes | None = None
+    ) -> None:
         self.coordinator, self.run, self.timeout, self.grace_s = coordinator, run, timeout, grace_s
+        self._secret = secret  # the run's (see fabric_multimodel.membership.signed): every key and value signed
         self._stores: list[dist.Store] = []  # a Python store (etcd's) lives only while Python holds it
         self._lock = threading.Lock()
         self._lost_since: float | None = None
@@ -89,7 +93,9 @@ class CoordinatorLink:
         store = coordinator_store(self.coordinator, timeout)
         store.set_timeout(timedelta(seconds=self.timeout))
         self._stores.append(store)
-        return dist.PrefixStore(f"{self.run}/", store)
+        run_store = signed(store, self.run, self._secret)  # WrongSecret before this process writes anything
+        self._stores.append(run_store)
+        return dist.PrefixStore(f"{self.run}/", run_store)
 
     def _first_connection(self) -> dist.Store:
         """The coordinator may start after the site, or be restarting: wait for it, ``grace_s`` at most."""

@@ -33,6 +33,7 @@ from fabric_multimodel.membership.epoch import Epoch, RunEnded
 from fabric_multimodel.membership.figures import check_reported, encode_figures
 from fabric_multimodel.membership.link import CoordinatorLink, Unreachable
 from fabric_multimodel.membership.names import check_site_name
+from fabric_multimodel.membership.signed import run_secret
 from fabric_multimodel.membership.stores import check_coordinator
 
 _log = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class Membership:
             while this site receives the state of the run from a member (it joined, or missed a round).
         grace_s: how long the coordinator may be out of reach: the site trains on in its epoch meanwhile (changes
             wait), and past it stops (:attr:`coordinator_lost`, :class:`CoordinatorLost`). See the operator's guide.
+        secret: the run's secret (default: ``FABRIC_MULTIMODEL_SECRET``): only sites that hold it are let in, every
+            key and value in the store is signed with it (:mod:`~fabric_multimodel.membership.signed`); a wrong one
+            raises :class:`~fabric_multimodel.membership.signed.WrongSecret` here.
 
     Build it once the site's own world started (``fabric.launch()``): a site of several processes is the default
     process group, and every site of the run must have as many.
@@ -92,6 +96,7 @@ class Membership:
         max_sites: int = 64,
         on_transfer: Callable[[int, int, float], None] | None = None,
         grace_s: float = 300.0,
+        secret: str | bytes | None = None,
     ) -> None:
         try:
             check_coordinator(coordinator)
@@ -122,7 +127,8 @@ class Membership:
         )
         #: Seconds the coordinator may be out of reach before this site stops.
         self.grace_s = float(grace_s)
-        self._store = CoordinatorLink(coordinator, run, timeout=self.timeout, grace_s=self.grace_s)
+        self._store = CoordinatorLink(coordinator, run, timeout=self.timeout, grace_s=self.grace_s,
+                                      secret=run_secret(secret, warn=self.local_rank == 0))  # fmt: skip
         #: The run's id (the first epoch's proposer draws it): a coordinator back with another's keys is refused.
         self.run_id: str | None = None
         # Round boundaries this site kept its epoch at while the coordinator was lost (see at_boundary).

@@ -71,8 +71,8 @@ def _word_or(word: str, number: Callable[[str], Any], what: str) -> Callable[[st
 def add_averager_arguments(parser: argparse.ArgumentParser, *, warmup_steps: int = 0) -> argparse._ArgumentGroup:
     """Add the group ``averaging (local SGD and DiLoCo)``: ``--period`` (0, the default: synchronous DDP),
     ``--warmup-steps``, ``--overlap-steps``, ``--outer``, ``--outer-lr``, ``--outer-momentum``, ``--comm-dtype``,
-    ``--error-feedback``, ``--density``, ``--error-decay``, ``--fragments``, ``--mixing``, ``--pace``; returns the
-    group, for flags of your own.
+    ``--error-feedback``, ``--density``, ``--error-decay``, ``--robust``, ``--trim``, ``--fragments``, ``--mixing``,
+    ``--pace``; returns the group, for flags of your own.
 
     Example::
 
@@ -116,6 +116,7 @@ def add_averager_arguments(parser: argparse.ArgumentParser, *, warmup_steps: int
     g.add_argument(
         "--error-decay", type=float, default=0.95, help="sparse rounds: the decay of what each rank did not send yet"
     )
+    _add_robust_arguments(g)
     g.add_argument(
         "--pace",
         choices=["steps", "speed"],
@@ -133,6 +134,17 @@ def add_averager_arguments(parser: argparse.ArgumentParser, *, warmup_steps: int
         " 0.5 with --fragments, measured best on two seeds; progress without)",
     )
     return g
+
+
+def _add_robust_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--robust",
+        choices=["none", "clip", "trimmed_mean"],
+        default="none",
+        help="rounds no single site steers alone: every site receives every pseudo-gradient and applies the rule"
+        " (clip: centered clipping; trimmed_mean: per coordinate, --trim of the values dropped from each side)",
+    )
+    g.add_argument("--trim", type=float, default=0.25, help="--robust trimmed_mean: the share dropped from each side")
 
 
 def check_averager_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -155,10 +167,11 @@ def check_averager_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
     if (
         args.period == 0
         and (args.overlap_steps or args.outer != "none" or args.comm_dtype != "float32" or args.fragments > 1)
-        or (args.period == 0 and args.density != 1)
+        or (args.period == 0 and (args.density != 1 or args.robust != "none"))
     ):
         parser.error(
-            "--overlap-steps, --outer, --comm-dtype, --density and --fragments need --period N (averaging rounds)"
+            "--overlap-steps, --outer, --comm-dtype, --density, --robust and --fragments need --period N (averaging"
+            " rounds)"
         )
     if args.mixing == "progress" and not args.overlap_steps:
         parser.error("--mixing progress sets how overlapped rounds merge: it needs --overlap-steps")
@@ -236,13 +249,18 @@ def averager_options(args: argparse.Namespace, optimizers: Sequence[Any] = ()) -
         options["density"] = args.density
     if args.error_decay != AveragerConfig.error_decay:
         options["error_decay"] = args.error_decay
+    if args.robust != "none":
+        options["robust"] = args.robust
+    if args.trim != AveragerConfig.trim:
+        options["trim"] = args.trim
     if args.fragments > 1:
         options["fragments"] = args.fragments
     if args.pace != "steps":
         options["pace"] = args.pace
     if args.mixing not in (None, "progress"):
         options["mixing"] = args.mixing
-    if args.outer == "none" and not args.overlap_steps and args.fragments == 1 and args.density == 1:
+    plain = args.density == 1 and args.robust == "none"  # a plain mean: the optimizers' state is averaged too
+    if args.outer == "none" and not args.overlap_steps and args.fragments == 1 and plain:
         options["optimizers"] = list(optimizers)
     return options
 
@@ -384,7 +402,9 @@ def membership(
     args: argparse.Namespace, device: Any, on_transfer: Callable[[int, int, float], None] | None = None
 ) -> Membership | None:
     """The Averager's ``membership`` for ``--coordinator`` (None without it): this site's, its collectives failing
-    after ``--timeout``; ``on_transfer`` hears a joining site's progress in receiving the run's state.
+    after ``--timeout``; ``on_transfer`` hears a joining site's progress in receiving the run's state. A run's secret
+    comes from ``FABRIC_MULTIMODEL_SECRET`` (never a flag: a command line is visible to every user of the host); a
+    wrong one ends the process in one line (``SystemExit``).
 
     Example::
 
@@ -393,17 +413,21 @@ def membership(
     if not args.coordinator:
         return None
     from fabric_multimodel.membership.membership import Membership
+    from fabric_multimodel.membership.signed import WrongSecret
 
     timeout = getattr(args, "timeout", 300.0)
-    return Membership(
-        args.coordinator,
-        args.site,
-        device=device,
-        min_sites=args.min_sites,
-        timeout=timeout,
-        on_transfer=on_transfer,
-        grace_s=getattr(args, "grace", 300.0),
-    )
+    try:
+        return Membership(
+            args.coordinator,
+            args.site,
+            device=device,
+            min_sites=args.min_sites,
+            timeout=timeout,
+            on_transfer=on_transfer,
+            grace_s=getattr(args, "grace", 300.0),
+        )
+    except WrongSecret as error:  # one line, before this site wrote anything into the run
+        raise SystemExit(f"site {args.site}: {error}") from None
 
 
 class Parser(argparse.ArgumentParser):

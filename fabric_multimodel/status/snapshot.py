@@ -81,9 +81,18 @@ class StatusReader:
         self.unreadable = 0  # values that did not decode (counted, never acted on)
 
     @classmethod
-    def connect(cls, coordinator: str, run: str = "run", *, timeout: float = 5.0, stale_s: float = 5.0) -> StatusReader:
+    def connect(
+        cls,
+        coordinator: str,
+        run: str = "run",
+        *,
+        timeout: float = 5.0,
+        stale_s: float = 5.0,
+        secret: str | bytes | None = None,
+    ) -> StatusReader:
         """A reader of ``run`` at ``coordinator``: ``host:port`` or ``etcd://...``, as
-        :class:`~fabric_multimodel.Membership` takes it.
+        :class:`~fabric_multimodel.Membership` takes it, with the run's ``secret`` (default:
+        ``FABRIC_MULTIMODEL_SECRET``) when it has one (else ``WrongSecret``).
 
         Example::
 
@@ -91,10 +100,12 @@ class StatusReader:
         """
         import torch.distributed as dist
 
+        from fabric_multimodel.membership.signed import run_secret, signed
         from fabric_multimodel.membership.stores import coordinator_store
 
         store = coordinator_store(coordinator, timeout=timeout)
-        return cls(dist.PrefixStore(f"{run}/", store), stale_s=stale_s, keep=store)
+        run_store = signed(store, run, run_secret(secret, warn=False))
+        return cls(dist.PrefixStore(f"{run}/", run_store), stale_s=stale_s, keep=(store, run_store))
 
     def read(self) -> dict[str, Any]:
         """The run's status now (see the module's docstring); a store that cannot be reached raises as its calls do."""

@@ -1,0 +1,151 @@
+"""A round no single rank steers alone: :class:`RobustMean`, every rank's payload to every other rank (an
+all-gather, as point-to-point messages on gloo) and, on each rank, a robust rule over what it received
+(:mod:`fabric_multimodel.comm.robust`): a hostile rank cannot opt out by not applying the rule itself, and as the
+rule is deterministic, the honest ranks stay bitwise identical.
+
+A contribution that is not finite is dropped and logged (by its rank in the group), never a crash; when none is
+left, the round's mean is NaN, which a round's finiteness check rolls back everywhere alike. An exact channel rides
+beside the payload, as in :class:`~fabric_multimodel.comm.quantized.QuantizedMean` (a round's header, summed in rank
+order). The price: each rank receives every other rank's payload, ``world - 1`` times an allreduce's receive, and
+holds them all for the rule.
+
+Example::
+
+    mean = RobustMean(delta.numel(), delta.device, rule="trimmed_mean", trim=0.25, exact_numel=header.numel())
+    mean.all_reduce_mean(delta, header)  # delta <- the trimmed mean of every rank's delta, header <- the exact sum
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from fabric_multimodel.comm import collectives
+from fabric_multimodel.comm.codec import check_count
+from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, check_member, group_rank, group_size
+from fabric_multimodel.comm.phased_mean import SENT, PhasedMean
+from fabric_multimodel.comm.robust import RULES, centered_clip, trimmed_mean
+
+_log = logging.getLogger(__name__)
+
+
+def check_rule(rule: object, trim: object, caller: str) -> None:
+    """A ValueError naming ``caller``'s argument unless ``rule`` is one of
+    :data:`~fabric_multimodel.comm.robust.RULES` and ``trim`` a share in ``[0, 0.5)``.
+
+    Example::
+
+        check_rule("trimmed_mean", 0.25, "Averager")
+    """
+    if rule not in RULES:
+        raise ValueError(f"{caller}: `robust` must be one of {', '.join(map(repr, RULES))} (or None), got {rule!r}.")
+    if isinstance(trim, bool) or not isinstance(trim, (int, float)) or not 0 <= trim < 0.5:
+        raise ValueError(f"{caller}: `trim` is the share trimmed from each side, in [0, 0.5); got {trim!r}.")
+
+
+class RobustMean(PhasedMean):
+    """A robust mean of a fixed-size fp32 payload across the ranks of ``group``: ``rule`` ``"trimmed_mean"``
+    (dropping the ``trim`` share of values from each side, per coordinate) or ``"clip"`` (centered clipping).
+
+    Its phases: :meth:`start` launches the all-gather of the payloads; :meth:`exchange` has nothing to launch;
+    :meth:`finish` waits for it and writes the rule's result into the payload given to :meth:`start`.
+    ``traffic``: what a round sends from this rank (its payload and exact channel, to each other rank).
+
+    Example::
+
+        mean = RobustMean(delta.numel(), delta.device, rule="clip")
+        mean.start(delta)
+        mean.finish()
+    """
+
+    #: The parameters themselves (a first round after training apart) may cross: the rule is as right for them.
+    carries_parameters = True
+
+    def __init__(
+        self,
+        numel: int,
+        device: torch.device | str,
+        *,
+        rule: str,
+        trim: float = 0.25,
+        group: ProcessGroup = None,
+        exact_numel: int = 0,
+    ) -> None:
+        caller = "RobustMean"
+        check_count(numel, "numel", 1, caller, "the payload's number of elements")
+        check_count(exact_numel, "exact_numel", 0, caller, "the exact channel's number of elements (0 for none)")
+        check_rule(rule, trim, caller)
+        check_member(group, caller)
+        self.numel, self.exact_numel, self.rule, self.trim = numel, exact_numel, rule, trim
+        self.group, self.world, self.rank = group, group_size(group), group_rank(group)
+        self.device = torch.device(device)
+        row = numel + exact_numel
+        self._traffic = Traffic() if self.world == 1 else Traffic(row, (self.world - 1) * 4 * row)
+        super().__init__()
+        self._gathered = torch.empty(0, device=self.device)
+        self._payload: torch.Tensor | None = None
+        self._exact_out: torch.Tensor | None = None
+        #: Ranks (in the group) whose contribution the last round dropped: not finite.
+        self.dropped: list[int] = []
+
+    @property
+    def traffic(self) -> Traffic:
+        """What a round sends from this rank: the elements it carries and the bytes that leave this rank."""
+        return self._traffic
+
+    def start(self, payload: torch.Tensor, exact: torch.Tensor | None = None, *, carry: bool = True) -> None:
+        """Launch the all-gather of ``payload`` (and ``exact``) to every rank; both are read, then written by
+        :meth:`finish`. ``carry`` changes nothing: a robust mean keeps nothing between rounds."""
+        flat, exact_flat = self._check_round(payload, exact)
+        message = torch.cat([exact_flat, flat]) if exact_flat is not None else flat.clone()
+        self._payload, self._exact_out = flat, exact_flat
+        if self.world > 1:
+            self._gathered = torch.empty(self.world * message.numel(), dtype=torch.float32, device=self.device)
+            self._handle = collectives.all_gather_messages(self._gathered, message, group=self.group, async_op=True)
+        else:
+            self._gathered = message
+        self._phase = SENT
+
+    def exchange(self) -> None:
+        """Nothing to launch: the payloads cross in :meth:`start`'s one all-gather."""
+        if self._phase != SENT:
+            raise RuntimeError("RobustMean.exchange: no round was started; call start(payload, exact) first.")
+
+    def finish(self) -> None:
+        """Wait for every rank's payload; the payload given to :meth:`start` <- the rule over the finite ones, its
+        ``exact`` <- the exact sum (in rank order)."""
+        self._waited(SENT, "finish")
+        flat, exact_out = self._payload, self._exact_out
+        assert flat is not None
+        rows = self._gathered.view(self.world, -1)
+        if exact_out is not None:
+            exact_out.copy_(rows[:, : self.exact_numel].sum(dim=0))
+        contributions = rows[:, self.exact_numel :]
+        finite = contributions.isfinite().all(dim=1)
+        self.dropped = [rank for rank, ok in enumerate(finite.tolist()) if not ok]
+        if self.dropped:
+            _log.warning("robust round: dropped the contributions of ranks %s (not finite)", self.dropped)
+        kept = contributions[finite]
+        if not kept.shape[0]:
+            flat.fill_(float("nan"))
+        elif self.rule == "trimmed_mean":
+            flat.copy_(trimmed_mean(kept, self.trim))
+        else:
+            flat.copy_(centered_clip(kept))
+        self._payload = self._exact_out = None
+        self._gathered = self._gathered.new_empty(0)
+
+    def clear_residual(self) -> None:
+        """Nothing kept between rounds."""
+
+    def keep_residual(self, previous: Any) -> None:
+        """Nothing kept between rounds."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to save."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to load."""
