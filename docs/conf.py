@@ -14,7 +14,7 @@ autodoc_typehints = "description"
 # not built here.
 nitpicky = True
 _outside = (
-    r"torch|nn|lightning|lightning_fabric|pytorch_lightning|collections|typing|types|datetime|os|pathlib|numpy|argparse"
+    r"torch|nn|lightning|lightning_fabric|pytorch_lightning|collections|typing|types|datetime|os|pathlib|numpy|argparse|ssl"
 )
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_outside})(\..*)?"),

@@ -20,6 +20,7 @@ import base64
 import itertools
 import json
 import logging
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -30,14 +31,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fabric_multimodel.membership.etcd_tls import CA_ENV, CERT_ENV, KEY_ENV, EtcdTLS, EtcdTLSError
+
 _log = logging.getLogger(__name__)
 
 #: How a coordinator address names an etcd cluster: ``etcd://host:port,host:port,...``.
 SCHEME = "etcd://"
 
 
-def endpoints_of(address: str) -> list[str]:
-    """The HTTP endpoints of ``etcd://host:port,host:port,...``; ValueError naming the address otherwise.
+def endpoints_of(address: str, secure: bool = False) -> list[str]:
+    """The HTTP (``secure``: HTTPS) endpoints of ``etcd://host:port,host:port,...``; ValueError naming the address
+    otherwise.
 
     Example::
 
@@ -48,7 +52,7 @@ def endpoints_of(address: str) -> list[str]:
         host, _, port = member.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"an etcd cluster is 'etcd://host:port,host:port,...', got {address!r}")
-    return [f"http://{member}" for member in members]
+    return [f"{'https' if secure else 'http'}://{member}" for member in members]
 
 
 def _b64(data: str | bytes) -> str:
@@ -70,11 +74,14 @@ class EtcdStore(dist.Store):
         store.compare_set("leader", "", "site-a")  # b"site-a" for the first caller, the winner's for the others
     """
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 30.0, prefix: str = "") -> None:
+    def __init__(
+        self, endpoints: Sequence[str], *, timeout: float = 30.0, prefix: str = "", tls: EtcdTLS | None = None
+    ) -> None:
         super().__init__()
         if not endpoints:
             raise ValueError("EtcdStore: `endpoints` must name at least one etcd member, e.g. http://host:2379.")
         self.endpoints, self.prefix = list(endpoints), prefix
+        self._tls = None if tls is None else tls.context()  # https endpoints: the members' CA, this one's certificate
         self._seconds = float(timeout)
         self._at = 0  # the endpoint that answered last: tried first
         # Each swap also writes its number here, so that a swap whose answer was lost can be told applied.
@@ -91,6 +98,11 @@ class EtcdStore(dist.Store):
                 url = f"{self.endpoints[self._at]}/v3/{path}"
                 try:
                     return self._post(url, data)
+                except ssl.SSLError as error:  # a certificate the member refuses, or one that is not the member's
+                    raise EtcdTLSError(
+                        f"EtcdStore: the TLS handshake with {url} failed ({error.reason or error}): check {CA_ENV},"
+                        f" {CERT_ENV} and {KEY_ENV} (a certificate the cluster's CA signed, and its key)"
+                    ) from None
                 except (urllib.error.URLError, OSError, ValueError) as error:  # unreachable, no leader, cut off
                     failures.append(f"{url}: {error}")
                     self._at = (self._at + 1) % len(self.endpoints)
@@ -102,7 +114,13 @@ class EtcdStore(dist.Store):
     def _post(self, url: str, data: bytes) -> dict[str, Any]:
         """One attempt: POST ``data`` to ``url``; its JSON answer."""
         request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=max(1.0, min(5.0, self._seconds))) as reply:
+        try:
+            reply = urllib.request.urlopen(request, timeout=max(1.0, min(5.0, self._seconds)), context=self._tls)
+        except urllib.error.URLError as error:
+            if isinstance(error.reason, ssl.SSLError):
+                raise error.reason from None
+            raise
+        with reply:
             return json.loads(reply.read() or b"{}")
 
     def _key(self, key: str) -> str:

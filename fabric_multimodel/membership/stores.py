@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fabric_multimodel.membership.etcd_store import SCHEME, EtcdStore, endpoints_of
+from fabric_multimodel.membership.etcd_tls import EtcdTLS
 
 
 def check_coordinator(coordinator: str) -> None:
@@ -32,7 +33,8 @@ def coordinator_store(coordinator: str, timeout: float) -> dist.Store:
         run = dist.PrefixStore("run/", store)
     """
     check_coordinator(coordinator)
-    if coordinator.startswith(SCHEME):
-        return EtcdStore(endpoints_of(coordinator), timeout=timeout)
+    if coordinator.startswith(SCHEME):  # https with FABRIC_MULTIMODEL_ETCD_CA (and a certificate) in the environment
+        tls = EtcdTLS.from_environment()
+        return EtcdStore(endpoints_of(coordinator, secure=tls is not None), timeout=timeout, tls=tls)
     host, _, port = coordinator.rpartition(":")
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
