@@ -43,8 +43,21 @@ def trimmed_mean(rows: torch.Tensor, trim: float) -> torch.Tensor:
     return kept.sum(dim=0) / kept.shape[0]
 
 
+def median(rows: torch.Tensor) -> torch.Tensor:
+    """Per coordinate, the median of ``rows`` (``n x d``): of an even count, the mean of the two middle values (the
+    lower one alone would lean toward whichever side a hostile row is on).
+
+    Example::
+
+        median(torch.tensor([[0.0], [1.0], [2.0], [100.0]]))  # tensor([1.5])
+    """
+    ordered = rows.sort(dim=0).values
+    count = rows.shape[0]
+    return (ordered[(count - 1) // 2] + ordered[count // 2]) / 2
+
+
 def centered_clip(rows: torch.Tensor, iterations: int = CLIP_ITERATIONS) -> torch.Tensor:
-    """Centered clipping of ``rows`` (``n x d``): from the coordinate-wise median, ``iterations`` times move the
+    """Centered clipping of ``rows`` (``n x d``): from the coordinate-wise :func:`median`, ``iterations`` times move the
     centre by the mean of each row's difference from it, each difference clipped to the radius of the median
     distance (a distance of the honest majority: a row farther out, however far, moves it by that radius at most).
 
@@ -52,8 +65,8 @@ def centered_clip(rows: torch.Tensor, iterations: int = CLIP_ITERATIONS) -> torc
 
         centered_clip(torch.stack([a, b, c, 100 * d]))  # close to the mean of a, b and c
     """
-    centre = rows.median(dim=0).values  # the lower median: deterministic for an even count too
-    radius = (rows - centre).norm(dim=1).median()
+    centre = median(rows)
+    radius = median((rows - centre).norm(dim=1, keepdim=True))
     for _ in range(iterations):
         away = rows - centre
         norms = away.norm(dim=1, keepdim=True)
