@@ -13,7 +13,10 @@ autodoc_typehints = "description"
 # Every reference must resolve (-n), except into the libraries the API is written against, whose documentation is
 # not built here.
 nitpicky = True
-_outside = r"torch|nn|lightning|lightning_fabric|pytorch_lightning|collections|typing|types|datetime|os|pathlib|numpy|argparse|ssl"
+_outside = (
+    r"torch|nn|lightning|lightning_fabric|pytorch_lightning|collections|typing|types|datetime|os|pathlib|numpy|argparse"
+    r"|ssl"
+)
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_outside})(\..*)?"),
     # what the signatures are written against, by the names they are imported as

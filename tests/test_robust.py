@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from fabric_multimodel import Averager, AveragerConfig, replicas_in_sync, setup_models
 from fabric_multimodel.comm import collectives
-from fabric_multimodel.comm.robust import centered_clip, trimmed, trimmed_mean
+from fabric_multimodel.comm.robust import centered_clip, median, trimmed, trimmed_mean
 from fabric_multimodel.comm.robust_mean import RobustMean
 from tests.gan import mlp
 from tests.test_lowbit import NESTEROV, SIZES, local_update
@@ -54,6 +54,13 @@ def test_one_hostile_row_moves_the_centered_clip_no_farther_than_the_honest_rows
     spread = torch.cdist(rows, rows).max()
     assert (result - rows.mean(0)).norm() <= 2 * spread + 1e-5
     assert torch.equal(centered_clip(torch.cat([rows, hostile[None]])), result)  # deterministic
+
+
+@given(st.integers(1, 9), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_the_median_leans_to_neither_side(count: int, width: int, seed: int) -> None:
+    rows = torch.randn(count, width, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(median(-rows), -median(rows)) and torch.equal(median(rows[torch.randperm(count)]), median(rows))
+    assert torch.allclose(median(rows), rows.double().quantile(0.5, dim=0).float(), atol=1e-6)
 
 
 @given(st.integers(1, 8), st.floats(0, 0.49))
