@@ -242,8 +242,9 @@ class Averager:
         self.node_rounds = 0
         self.node_traffic = Traffic()
         #: The ``step()`` count at which the last round across ``process_group`` finished (a blocking round, or
-        #: an overlapped one merged); None before the first.
+        #: an overlapped one merged); None before the first. ``round_s``: its seconds, launch to merge.
         self.finished_at: int | None = None
+        self.round_s = 0.0
 
     def _check_agreement(self, agreement: str) -> None:
         check_agreement(agreement, self._device, self.process_group)

@@ -24,6 +24,7 @@ class Driver(Protocol):
     rounds: int
     node_rounds: int
     finished_at: int | None
+    round_s: float
     pace: Pace | None
     traffic: Traffic
     node_traffic: Traffic

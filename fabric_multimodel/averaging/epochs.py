@@ -94,6 +94,7 @@ class Epochs:
                 "rounds": averager.rounds,
                 "bytes": averager.traffic.bytes,
                 "wait_s": round(self.wait_s, 2),
+                "round_s": round(averager.round_s, 3),
             }
         )
         epoch = self.membership.at_boundary(averager.rounds)

@@ -51,6 +51,7 @@ class RoundRunner:
         self.epochs: Epochs | None = None
         #: The step at which the round in flight was launched (None: none in flight).
         self.launched_at: int | None = None
+        self._launched_s = 0.0  # when the round in flight was launched (perf_counter)
         #: Per fragment, the step of its last blocking round: a round with no step since then changes nothing.
         self.synced_at = [0] * driver.fragments
 
@@ -96,7 +97,7 @@ class RoundRunner:
         intact = round.storage.intact()
         if not blocking:
             driver.rounds += 1
-            self.launched_at = driver.steps
+            self.launched_at, self._launched_s = driver.steps, start
             check_intact(intact)  # leaving the block then discards the round in flight
             _log.debug("%s: launched", label)
             return True
@@ -105,6 +106,7 @@ class RoundRunner:
         check_intact(intact)
         self._check_stamps(stamps, label, driver.process_group)
         self.synced_at[fragment] = driver.finished_at = driver.steps
+        driver.round_s = time.perf_counter() - start
         if any(s.progress for s in stamps):
             driver.rounds += 1
             driver.traffic += self._average_optimizer_state(label)
@@ -121,6 +123,7 @@ class RoundRunner:
         self.driver.traffic += self.round.traffic
         self._check_stamps(stamps, label, self.driver.process_group)
         self.driver.finished_at = self.driver.steps
+        self.driver.round_s = time.perf_counter() - self._launched_s
         _log.debug("%s: merged at step %d", label, self.driver.steps)
 
     def discard_pending(self) -> None:

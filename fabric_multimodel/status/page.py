@@ -93,8 +93,9 @@ def _members(status: dict[str, Any]) -> str:
 
 #: The figures the members' table shows a column of, in its order, and how each is written; the others a site
 #: reported share the last column.
-_COLUMNS = {"step": "{:,.0f}", "rounds": "{:,.0f}", "bytes": "{:,.0f}", "wait_s": "{:,.2f}", "loss": "{:.4g}"}
-_TITLES = ("step", "rounds", "bytes sent", "membership s", "loss")
+_COLUMNS = {"step": "{:,.0f}", "rounds": "{:,.0f}", "bytes": "{:,.0f}", "round_s": "{:,.3f}", "wait_s": "{:,.2f}",
+            "loss": "{:.4g}"}  # fmt: skip
+_TITLES = ("step", "rounds", "bytes sent", "last round s", "membership s", "loss")
 
 
 def _figures(figures: dict[str, float | None]) -> str:

@@ -28,7 +28,7 @@ class Member:
     spans: list[tuple[float, float, bool]] = field(default_factory=list)
     joined: float | None = None
     lost: float | None = None  # when it went silent or left, the run unfinished
-    round_s: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds a round since the last line)
+    round_s: list[tuple[float, float]] = field(default_factory=list)  # (time, seconds of a round)
     loss: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -66,8 +66,10 @@ def members_of(record: Sequence[dict[str, Any]]) -> tuple[list[Member], float]:
             rounds, before = figures.get("rounds"), last_rounds.get(token)
             if not isinstance(rounds, (int, float)) or (before is not None and rounds == before[1]):
                 continue
-            if before is not None and rounds > before[1]:  # seconds a round since the count last moved
-                found[token].round_s.append((now, (now - before[0]) / (rounds - before[1])))
+            if before is not None and rounds > before[1]:  # the last round's, else the time the count took to move
+                last = figures.get("round_s")
+                seconds = last if isinstance(last, (int, float)) else (now - before[0]) / (rounds - before[1])
+                found[token].round_s.append((now, float(seconds)))
             last_rounds[token] = (now, rounds)
     return list(found.values()), float(record[-1]["time"]) - start
 
