@@ -70,7 +70,7 @@ def test_no_trim_drops_every_row_and_none_is_a_plain_mean(count: int, trim: floa
     assert torch.allclose(trimmed_mean(rows, 0.0), rows.mean(0))
 
 
-def _robust_round(fabric: object, rule: str, hostile: str, numel: int) -> tuple:
+def _robust_round(fabric: object, rule: str, hostile: str, numel: int, code: str | None = None) -> tuple:
     """One robust round of ``numel`` values and a 2-value header; rank 2 sends ``hostile`` (``scale``: its payload
     times 1e6, ``nan``: one NaN); the all-gathers counted."""
     rank = dist.get_rank()
@@ -87,7 +87,8 @@ def _robust_round(fabric: object, rule: str, hostile: str, numel: int) -> tuple:
         return original(output, message, **kwargs)
 
     collectives.all_gather_messages = counting
-    mean = RobustMean(numel, "cpu", rule=rule, trim=THIRD, exact_numel=2)
+    code_dtype = getattr(torch, code) if code else None
+    mean = RobustMean(numel, "cpu", rule=rule, trim=THIRD, exact_numel=2, code_dtype=code_dtype)
     try:
         mean.start(payload, header)
         mean.exchange()
@@ -97,28 +98,38 @@ def _robust_round(fabric: object, rule: str, hostile: str, numel: int) -> tuple:
     return payload, honest, header, calls, mean.traffic.bytes, mean.dropped
 
 
+#: The bytes of one rank's message of 1000 values and a 2-value header: fp32, fp8 and fp4 codes (32-value blocks,
+#: a bf16 scale each).
+ROW_BYTES = {None: 4 * 1002, "float8_e4m3fn": 8 + 32 * (32 + 2), "float4_e2m1fn_x2": 8 + 32 * (16 + 2)}
+
+
 @pytest.mark.parametrize("rule", ["trimmed_mean", "clip"])
-@pytest.mark.parametrize("hostile", ["scale", "nan"])
-def test_a_robust_round_agrees_bitwise_and_no_hostile_rank_steers_it(worlds, rule: str, hostile: str) -> None:
+@pytest.mark.parametrize(("hostile", "code"), [("scale", None), ("nan", None), ("scale", "float8_e4m3fn"),
+                                               ("nan", "float4_e2m1fn_x2")])  # fmt: skip
+def test_a_robust_round_agrees_bitwise_and_no_hostile_rank_steers_it(
+    worlds, rule: str, hostile: str, code: str | None
+) -> None:
     numel = 1000
-    results = worlds(3).run(_robust_round, rule, hostile, numel)
+    results = worlds(3).run(_robust_round, rule, hostile, numel, code)
     means = [mean for mean, *_ in results]
     assert all(torch.equal(mean, means[0]) for mean in means)  # every rank, the hostile one too
     honest = torch.stack([results[0][1], results[1][1]])
     assert (means[0] - honest.mean(0)).abs().max() < 0.5, (means[0] - honest.mean(0)).abs().max()
     assert all(torch.equal(result[2], torch.tensor([3.0, 3.0])) for result in results)  # the header: summed
     for _, _, _, calls, sent, dropped in results:
-        assert calls == [4 * (numel + 2)] and sent == 2 * 4 * (numel + 2)  # one all-gather: to each of 2 others
+        assert calls == [ROW_BYTES[code]] and sent == 2 * ROW_BYTES[code]  # one all-gather: to each of 2 others
         assert dropped == ([2] if hostile == "nan" else [])
 
 
-def _hostile_run(fabric: object, robust: str | None) -> tuple[torch.Tensor, bool]:
+def _hostile_run(fabric: object, robust: str | None, code: str | None = None) -> tuple[torch.Tensor, bool]:
     """DiLoCo rounds every 4 steps for 16 steps; rank 2 (when ``robust`` is not 'honest') pushes its parameters
     100 times farther each step. Returns rank 0's parameters and whether every replica agrees."""
     torch.manual_seed(0)
     (m,) = setup_models(fabric, m=mlp(SIZES))
     options = {} if robust in (None, "honest") else {"robust": robust, "trim": THIRD} if robust == "trimmed_mean" else {
         "robust": robust}  # fmt: skip
+    if code:
+        options["comm_dtype"] = getattr(torch, code)
     averager = Averager(fabric, m, period=4, outer_optimizer=NESTEROV, **options)
     with averager:
         for step in range(1, 17):
@@ -138,11 +149,11 @@ def test_robust_rounds_keep_a_hostile_site_from_steering_the_model(worlds) -> No
     honest, synced = world.run(_hostile_run, "honest")[0]
     assert synced
     distance = {}
-    for robust in (None, "trimmed_mean", "clip"):
-        params, synced = world.run(_hostile_run, robust)[0]
+    for robust, code in ((None, None), ("trimmed_mean", None), ("clip", None), ("clip", "float4_e2m1fn_x2")):
+        params, synced = world.run(_hostile_run, robust, code)[0]
         assert synced  # the rule is deterministic: every replica, the hostile one included, holds the same model
-        distance[robust] = float((params - honest).norm())
-    assert distance["trimmed_mean"] < 0.1 * distance[None] and distance["clip"] < 0.1 * distance[None], distance
+        distance[robust, code] = float((params - honest).norm())
+    assert all(d < 0.1 * distance[None, None] for key, d in distance.items() if key[0]), distance
 
 
 @pytest.mark.parametrize(
@@ -151,8 +162,10 @@ def test_robust_rounds_keep_a_hostile_site_from_steering_the_model(worlds) -> No
      ({"robust": "trimmed_mean", "trim": 0.5}, "`trim` is the share trimmed from each side"),
      ({"trim": 0.2}, "set `robust='trimmed_mean'` too"),
      ({"robust": "clip", "trim": 0.2}, "not 'clip''s"),
-     ({"robust": "clip", "comm_dtype": torch.float8_e4m3fn}, "cannot be combined with `comm_dtype`"),
-     ({"robust": "clip", "density": 1 / 64}, "cannot be combined with `comm_dtype`, `density`")],
+     ({"robust": "clip", "comm_dtype": torch.bfloat16}, "cannot be combined with another `comm_dtype`"),
+     ({"robust": "clip", "comm_dtype": torch.float8_e4m3fn, "error_feedback": True}, "`error_feedback`"),
+     ({"robust": "clip", "density": 1 / 64}, "`density`"),
+     ({"robust": "clip", "pace": "speed", "warmup_steps": 2}, "`pace='speed'`")],
 )  # fmt: skip
 def test_what_robust_rounds_cannot_take_is_an_error_naming_it(options: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):

@@ -161,7 +161,7 @@ def encoding(config: AveragerConfig) -> Encoding | None:
     """What encodes an anchored round's payload: a ``robust`` rule's mean, a ``density`` below 1's sparse mean, a
     low-bit ``comm_dtype``'s quantized mean, or nothing (the payload is summed as it is)."""
     if config.robust is not None:
-        return functools.partial(_robust, rule=config.robust, trim=config.trim)
+        return functools.partial(_robust, rule=config.robust, trim=config.trim, code_dtype=config.comm_dtype)
     if config.density != 1:
         return functools.partial(_sparse, density=config.density, decay=config.error_decay)
     if config.comm_dtype in CODE_DTYPES:
@@ -176,9 +176,10 @@ def _sparse(
 
 
 def _robust(
-    numel: int, device: torch.device, group: ProcessGroup, exact_numel: int, *, rule: str, trim: float
-) -> RobustMean:
-    return RobustMean(numel, device, rule=rule, trim=trim, group=group, exact_numel=exact_numel)
+    numel: int, device: torch.device, group: ProcessGroup, exact_numel: int, *, rule: str, trim: float,
+    code_dtype: torch.dtype | None
+) -> RobustMean:  # fmt: skip
+    return RobustMean(numel, device, rule=rule, trim=trim, group=group, exact_numel=exact_numel, code_dtype=code_dtype)
 
 
 def _quantized(

@@ -251,11 +251,15 @@ def _check_robust(config: AveragerConfig, caller: str) -> None:
     check_rule(config.robust, config.trim, caller)
     if config.robust != "trimmed_mean" and config.trim != AveragerConfig.trim:
         raise ValueError(f"{caller}: `trim` is the trimmed mean's, not {config.robust!r}'s: drop `trim`.")
-    if config.comm_dtype is not None or config.density != 1 or config.node_period is not None or config.pace != "steps":
+    coded = config.comm_dtype is None or config.comm_dtype in CODE_DTYPES
+    if not coded or config.error_feedback or config.density != 1 or config.node_period is not None:
         raise ValueError(
-            f"{caller}: `robust` ({config.robust!r}) receives every rank's fp32 pseudo-gradient; it cannot be combined"
-            " with `comm_dtype`, `density`, `node_period` or `pace='speed'` yet: drop one of them."
+            f"{caller}: `robust` ({config.robust!r}) receives every rank's pseudo-gradient, fp32 or block-quantized"
+            " (a float8 or float4 `comm_dtype`); it cannot be combined with another `comm_dtype`, `error_feedback`,"
+            " `density`, `node_period` or `pace='speed'` yet: drop one of them."
         )
+    if config.pace != "steps":
+        raise ValueError(f"{caller}: `robust` cannot be combined with `pace='speed'` yet: drop one of them.")
 
 
 def _check_node_period(config: AveragerConfig, caller: str) -> None:

@@ -6,8 +6,9 @@ rule is deterministic, the honest ranks stay bitwise identical.
 A contribution that is not finite is dropped and logged (by its rank in the group), never a crash; when none is
 left, the round's mean is NaN, which a round's finiteness check rolls back everywhere alike. An exact channel rides
 beside the payload, as in :class:`~fabric_multimodel.comm.quantized.QuantizedMean` (a round's header, summed in rank
-order). The price: each rank receives every other rank's payload, ``world - 1`` times an allreduce's receive, and
-holds them all for the rule.
+order). With a ``code_dtype`` (fp8, fp4), each payload crosses block-quantized (:mod:`fabric_multimodel.comm.codec`)
+and every rank decodes every one before the rule. The price: each rank receives every other rank's payload, ``world
+- 1`` times an allreduce's receive, and holds them all for the rule.
 
 Example::
 
@@ -23,7 +24,15 @@ from typing import Any
 import torch
 
 from fabric_multimodel.comm import collectives
-from fabric_multimodel.comm.codec import check_count
+from fabric_multimodel.comm.codec import (
+    DEFAULT_BLOCK_SIZE,
+    SCALE_DTYPE,
+    Codec,
+    ceil_div,
+    check_block,
+    check_count,
+    code_format,
+)
 from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, check_member, group_rank, group_size
 from fabric_multimodel.comm.phased_mean import SENT, PhasedMean
 from fabric_multimodel.comm.robust import RULES, centered_clip, trimmed_mean
@@ -72,6 +81,8 @@ class RobustMean(PhasedMean):
         trim: float = 0.25,
         group: ProcessGroup = None,
         exact_numel: int = 0,
+        code_dtype: torch.dtype | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         caller = "RobustMean"
         check_count(numel, "numel", 1, caller, "the payload's number of elements")
@@ -81,8 +92,17 @@ class RobustMean(PhasedMean):
         self.numel, self.exact_numel, self.rule, self.trim = numel, exact_numel, rule, trim
         self.group, self.world, self.rank = group, group_size(group), group_rank(group)
         self.device = torch.device(device)
-        row = numel + exact_numel
-        self._traffic = Traffic() if self.world == 1 else Traffic(row, (self.world - 1) * 4 * row)
+        self._codec: Codec | None = None
+        self._blocks = 0
+        body = 4 * numel
+        if code_dtype is not None:
+            code_format(code_dtype, caller)
+            check_block(block_size, code_dtype, caller)
+            self._blocks = ceil_div(numel, block_size)
+            self._codec = Codec(code_dtype, block_size, self.device, SCALE_DTYPE, self._blocks)
+            body = self._blocks * (self._codec.code_bytes + SCALE_DTYPE.itemsize)
+        self._row = 4 * exact_numel + body  # the bytes of one rank's message
+        self._traffic = Traffic() if self.world == 1 else Traffic(numel + exact_numel, (self.world - 1) * self._row)
         super().__init__()
         self._gathered = torch.empty(0, device=self.device)
         self._payload: torch.Tensor | None = None
@@ -99,10 +119,11 @@ class RobustMean(PhasedMean):
         """Launch the all-gather of ``payload`` (and ``exact``) to every rank; both are read, then written by
         :meth:`finish`. ``carry`` changes nothing: a robust mean keeps nothing between rounds."""
         flat, exact_flat = self._check_round(payload, exact)
-        message = torch.cat([exact_flat, flat]) if exact_flat is not None else flat.clone()
+        head = (exact_flat if exact_flat is not None else flat.new_zeros(0)).view(torch.uint8)
+        message = torch.cat([head, self._encoded(flat)])
         self._payload, self._exact_out = flat, exact_flat
         if self.world > 1:
-            self._gathered = torch.empty(self.world * message.numel(), dtype=torch.float32, device=self.device)
+            self._gathered = torch.empty(self.world * self._row, dtype=torch.uint8, device=self.device)
             self._handle = collectives.all_gather_messages(self._gathered, message, group=self.group, async_op=True)
         else:
             self._gathered = message
@@ -119,10 +140,10 @@ class RobustMean(PhasedMean):
         self._waited(SENT, "finish")
         flat, exact_out = self._payload, self._exact_out
         assert flat is not None
-        rows = self._gathered.view(self.world, -1)
+        rows, head = self._gathered.view(self.world, self._row), 4 * self.exact_numel
         if exact_out is not None:
-            exact_out.copy_(rows[:, : self.exact_numel].sum(dim=0))
-        contributions = rows[:, self.exact_numel :]
+            exact_out.copy_(rows[:, :head].clone().view(torch.float32).sum(dim=0))
+        contributions = self._decoded(rows[:, head:])
         finite = contributions.isfinite().all(dim=1)
         self.dropped = [rank for rank, ok in enumerate(finite.tolist()) if not ok]
         if self.dropped:
@@ -136,6 +157,32 @@ class RobustMean(PhasedMean):
             flat.copy_(centered_clip(kept))
         self._payload = self._exact_out = None
         self._gathered = self._gathered.new_empty(0)
+
+    def _encoded(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's payload as the bytes it sends: fp32, or block-quantized codes then their scales."""
+        if self._codec is None:
+            return flat.view(torch.uint8)
+        block = self._codec.block
+        padded = flat.new_zeros(self._blocks * block)
+        padded[: self.numel] = flat
+        codes = torch.empty(self._blocks, self._codec.code_bytes, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(self._blocks, dtype=SCALE_DTYPE, device=self.device)
+        self._codec.encode(padded.view(1, self._blocks, block), codes.view(1, self._blocks, -1),
+                           scales.view(1, self._blocks))  # fmt: skip
+        return torch.cat([codes.view(-1), scales.view(torch.uint8)])
+
+    def _decoded(self, bodies: torch.Tensor) -> torch.Tensor:
+        """Every rank's payload (the rows of ``bodies``, the bytes each sent) as fp32 rows of ``numel``."""
+        if self._codec is None:
+            return bodies.clone().view(torch.float32)
+        codec, blocks, block = self._codec, self._blocks, self._codec.block
+        split = blocks * codec.code_bytes
+        codes = bodies[:, :split].contiguous().view(self.world, blocks, -1)
+        scales = bodies[:, split:].contiguous().view(SCALE_DTYPE).view(self.world, blocks)
+        out = torch.empty(self.world, blocks, block, dtype=torch.float32, device=self.device)
+        for rank in range(self.world):  # the codec's scratch holds one row's blocks
+            codec.decode(codes[rank : rank + 1], scales[rank : rank + 1], out[rank : rank + 1])
+        return out.view(self.world, -1)[:, : self.numel]
 
     def clear_residual(self) -> None:
         """Nothing kept between rounds."""
