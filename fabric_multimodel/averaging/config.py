@@ -256,7 +256,7 @@ def _check_robust(config: AveragerConfig, caller: str) -> None:
         raise ValueError(
             f"{caller}: `robust` ({config.robust!r}) receives every rank's pseudo-gradient, fp32 or block-quantized"
             " (a float8 or float4 `comm_dtype`); it cannot be combined with another `comm_dtype`, `error_feedback`,"
-            " `density`, `node_period` or `pace='speed'` yet: drop one of them."
+            " `density` or `node_period` yet: drop one of them."
         )
     if config.pace != "steps":
         raise ValueError(f"{caller}: `robust` cannot be combined with `pace='speed'` yet: drop one of them.")
