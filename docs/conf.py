@@ -20,7 +20,8 @@ _outside = (
 nitpick_ignore_regex = [
     (r"py:.*", rf"({_outside})(\..*)?"),
     # what the signatures are written against, by the names they are imported as
-    (r"py:class", r"Fabric|ProcessGroup|Optimizer|HasDevice|Modules|Path|Tensor|Store|dist\.Work|timedelta|.*\._T"),
+    (r"py:class", r"Fabric|ProcessGroup|Optimizer|HasDevice|Modules|Path|Tensor|(dist\.)?Store|dist\.Work|timedelta"),
+    (r"py:class", r".*\._T"),
     # the round kinds are internal (what the Averager builds), documented in the design notes, not here
     (r"py:class", r"fabric_multimodel\.rounds\..*"),
 ]
