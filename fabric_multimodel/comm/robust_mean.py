@@ -27,11 +27,13 @@ from fabric_multimodel.comm import collectives
 from fabric_multimodel.comm.codec import (
     DEFAULT_BLOCK_SIZE,
     SCALE_DTYPE,
-    Codec,
+    Quantized,
     ceil_div,
     check_block,
     check_count,
     code_format,
+    dequantize,
+    quantize,
 )
 from fabric_multimodel.comm.collectives import ProcessGroup, Traffic, check_member, group_rank, group_size
 from fabric_multimodel.comm.phased_mean import SENT, PhasedMean
@@ -92,15 +94,13 @@ class RobustMean(PhasedMean):
         self.numel, self.exact_numel, self.rule, self.trim = numel, exact_numel, rule, trim
         self.group, self.world, self.rank = group, group_size(group), group_rank(group)
         self.device = torch.device(device)
-        self._codec: Codec | None = None
-        self._blocks = 0
+        self.code_dtype, self.block_size, self._blocks = code_dtype, block_size, 0
         body = 4 * numel
         if code_dtype is not None:
-            code_format(code_dtype, caller)
             check_block(block_size, code_dtype, caller)
             self._blocks = ceil_div(numel, block_size)
-            self._codec = Codec(code_dtype, block_size, self.device, SCALE_DTYPE, self._blocks)
-            body = self._blocks * (self._codec.code_bytes + SCALE_DTYPE.itemsize)
+            self._code_bytes = block_size * code_format(code_dtype, caller).bits // 8  # a block's
+            body = self._blocks * (self._code_bytes + SCALE_DTYPE.itemsize)
         self._row = 4 * exact_numel + body  # the bytes of one rank's message
         self._traffic = Traffic() if self.world == 1 else Traffic(numel + exact_numel, (self.world - 1) * self._row)
         super().__init__()
@@ -160,29 +160,21 @@ class RobustMean(PhasedMean):
 
     def _encoded(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's payload as the bytes it sends: fp32, or block-quantized codes then their scales."""
-        if self._codec is None:
+        if self.code_dtype is None:
             return flat.view(torch.uint8)
-        block = self._codec.block
-        padded = flat.new_zeros(self._blocks * block)
-        padded[: self.numel] = flat
-        codes = torch.empty(self._blocks, self._codec.code_bytes, dtype=torch.uint8, device=self.device)
-        scales = torch.empty(self._blocks, dtype=SCALE_DTYPE, device=self.device)
-        self._codec.encode(padded.view(1, self._blocks, block), codes.view(1, self._blocks, -1),
-                           scales.view(1, self._blocks))  # fmt: skip
-        return torch.cat([codes.view(-1), scales.view(torch.uint8)])
+        codes, scales = quantize(flat, self.code_dtype, self.block_size, SCALE_DTYPE)
+        return torch.cat([codes.view(torch.uint8).view(-1), scales.view(torch.uint8)])
 
     def _decoded(self, bodies: torch.Tensor) -> torch.Tensor:
         """Every rank's payload (the rows of ``bodies``, the bytes each sent) as fp32 rows of ``numel``."""
-        if self._codec is None:
+        if self.code_dtype is None:
             return bodies.clone().view(torch.float32)
-        codec, blocks, block = self._codec, self._blocks, self._codec.block
-        split = blocks * codec.code_bytes
-        codes = bodies[:, :split].contiguous().view(self.world, blocks, -1)
-        scales = bodies[:, split:].contiguous().view(SCALE_DTYPE).view(self.world, blocks)
-        out = torch.empty(self.world, blocks, block, dtype=torch.float32, device=self.device)
-        for rank in range(self.world):  # the codec's scratch holds one row's blocks
-            codec.decode(codes[rank : rank + 1], scales[rank : rank + 1], out[rank : rank + 1])
-        return out.view(self.world, -1)[:, : self.numel]
+        split = self._blocks * self._code_bytes
+        rows = []
+        for body in bodies:
+            codes = body[:split].clone().view(self._blocks, -1).view(self.code_dtype)
+            rows.append(dequantize(Quantized(codes, body[split:].clone().view(SCALE_DTYPE)), self.numel))
+        return torch.stack(rows)
 
     def clear_residual(self) -> None:
         """Nothing kept between rounds."""
